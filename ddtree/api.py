@@ -1,0 +1,110 @@
+"""The Python API: `ddtree.load()` gives a target/drafter pair; `pair.generate()` decodes with one method;
+`ddtree.compare()` runs several methods on the same prompts and checks them against plain decoding."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .attention import Visibility
+from .checker import Verdict, check_tokens
+from .config import ConfigError, SamplingParams
+from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
+from .engine import Decoder, make_method
+from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_target_dir,
+                      stop_token_ids)
+from .stats import GenerationStats
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+
+class Pair:
+    """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
+
+    def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = ""):
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.stop_ids = tuple(stop_ids)
+        self.name = name
+        self.decoder = Decoder(target, drafter)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ConfigError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ConfigError("this target has no tokenizer: pass the prompt as a list of token ids")
+            if chat and getattr(self.tokenizer, "chat_template", None):
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                return list(ids)
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) or (hasattr(t, "__index__")) for t in ids):
+            raise ConfigError("the prompt must be a non-empty string or a non-empty list of token ids")
+        return [int(t) for t in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def generate(self, prompt, method: str = "ddtree", budget: int = 64, block_size: int | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
+                 seed: int | None = None, chat: bool = True) -> GenerationResult:
+        sampling = SamplingParams(temperature, top_p, top_k)
+        strategy = make_method(method, budget, block_size, self.drafter)
+        ids = self.encode(prompt, chat)
+        tokens, stats = self.decoder.generate(ids, strategy, sampling, max_new_tokens, self.stop_ids, seed)
+        return GenerationResult(tokens, self.decode(tokens), stats, ids)
+
+    @torch.inference_mode()
+    def logits_after(self, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
+        """The target's next-token logits [V] after prompt + generated (one plain pass)."""
+        ids = torch.tensor(prompt_ids + generated, device=self.device)
+        cache = self.target.new_cache(len(ids))
+        out = self.target(ids, torch.arange(len(ids), device=self.device), cache,
+                          Visibility.causal(0, len(ids), self.device), last_only=True)
+        return out.logits[0]
+
+    def check(self, prompt_ids: list[int], reference: list[int], tokens: list[int]) -> Verdict:
+        """Greedy losslessness verdict of `tokens` against plain decoding's `reference`."""
+        return check_tokens(reference, tokens, lambda i: self.logits_after(prompt_ids, reference[:i]), self.dtype)
+
+
+def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto") -> Pair:
+    """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
+    shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
+    with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on CUDA and on
+    CPUs with bf16 matrix units, else fp32; see loading.default_dtype)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = default_dtype(device) if dtype is None else parse_dtype(dtype)
+    directory = resolve_target_dir(target)
+    tgt = load_target(directory, dtype, device, attention_backend)
+    tokenizer = load_tokenizer(directory)
+    if draft is not None:
+        drafter = DFlashDrafter.load(draft, dtype, device, attention_backend).bind(tgt)
+        drafter.label = str(draft)
+    elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
+        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, attention_backend).bind(tgt)
+        drafter.label = "shipped"
+    else:
+        warn_untrained()
+        drafter = untrained_drafter(tgt)
+        drafter.label = "untrained"
+    name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name)
+

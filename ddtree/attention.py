@@ -1,0 +1,85 @@
+"""The attention seam: every attention call of the target and the drafter goes through `attend`.
+
+Queries are the N new tokens of a pass; keys/values are the cached rows [0, past_len + N): the committed
+past (always visible) followed by the N new rows, whose visibility among themselves is described by a
+`Visibility`. Backends: "sdpa" (PyTorch scaled_dot_product_attention, the CPU path) and "triton" (the
+tree-attention kernel in ddtree.kernels, used automatically on CUDA).
+"""
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "triton")
+
+
+class Visibility:
+    """Who sees whom among the N new rows of one pass, shared by all layers of that pass.
+
+    ancestors: bool [N, N], ancestors[i, j] = new row j is visible to new row i (ancestor-or-self in a tree,
+    j <= i for a causal chain). None means every new row sees every new row (the drafter's block, or N = 1).
+    """
+
+    def __init__(self, past_len: int, ancestors: torch.Tensor | None):
+        self.past_len = past_len
+        self.ancestors = ancestors
+        self._dense: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def causal(cls, past_len: int, n: int, device) -> "Visibility":
+        if n == 1:
+            return cls(past_len, None)
+        return cls(past_len, torch.ones(n, n, dtype=torch.bool, device=device).tril_())
+
+    def dense(self, group: int) -> torch.Tensor | None:
+        """Boolean SDPA mask [group * N, past_len + N] for GQA queries folded as [Hkv, group * N, D]."""
+        if self.ancestors is None:
+            return None
+        if group not in self._dense:
+            n = self.ancestors.shape[0]
+            past = torch.ones(n, self.past_len, dtype=torch.bool, device=self.ancestors.device)
+            self._dense[group] = torch.cat([past, self.ancestors], dim=1).repeat(group, 1)
+        return self._dense[group]
+
+    @cached_property
+    def bits(self) -> torch.Tensor:
+        """Packed ancestor bits int32 [N, ceil(N / 32)] for the Triton kernel."""
+        from .kernels.tree_attention import pack_ancestor_bits
+
+        return pack_ancestor_bits(self.ancestors)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """'auto' picks the Triton kernel on CUDA (when importable) and SDPA elsewhere."""
+    name = os.environ.get("DDTREE_ATTENTION", name)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        if torch.device(device).type != "cuda":
+            return "sdpa"
+        try:
+            from .kernels import tree_attention  # noqa: F401
+        except ImportError:
+            return "sdpa"
+        return "triton"
+    return name
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, backend: str) -> torch.Tensor:
+    """q [Hq, N, D]; k, v [Hkv, past_len + N, D] (views of the cache). Returns [Hq, N, D]."""
+    hq, n, d = q.shape
+    if backend == "triton":
+        from .kernels.tree_attention import tree_attention
+
+        if vis.ancestors is None:  # all-visible block: the kernel's bit mask with every bit set
+            vis.ancestors = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        return tree_attention(q, k, v, vis.past_len, vis.bits)
+    hkv = k.shape[0]
+    group = hq // hkv
+    # Fold the query heads that share a KV head into the query axis: no copy of K/V for GQA.
+    qf = q.reshape(hkv, group * n, d)
+    out = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=vis.dense(group))
+    return out.view(hq, n, d)

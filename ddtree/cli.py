@@ -1,0 +1,81 @@
+"""Command line: `python -m ddtree generate ...` and `python -m ddtree compare ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import ConfigError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="DFlash drafter directory (default: the shipped drafter for the default target)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
+                   help="attention backend (default: triton on CUDA, sdpa elsewhere)")
+
+
+def _decode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=int, default=64, help="DDTree draft nodes per step (default: %(default)s)")
+    p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # the training recipe has its own command line
+        from .train.cli import main as train_main
+
+        return train_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m ddtree", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="decode one prompt and print the text and statistics")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _model_args(gen)
+    _decode_args(gen)
+
+    cmp = sub.add_parser("compare", help="run several methods on the same prompts; check them against ar")
+    cmp.add_argument("prompts", nargs="+", help="prompt texts")
+    cmp.add_argument("--methods", default="ar,dflash,ddtree", help="comma-separated, e.g. ar,dflash,ddtree:32")
+    cmp.add_argument("--seed", type=int, default=0)
+    _model_args(cmp)
+    _decode_args(cmp)
+
+    args = parser.parse_args(argv)
+    try:
+        from . import api, compare
+
+        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
+        common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+        if args.command == "generate":
+            res = pair.generate(args.prompt, method=args.method, budget=args.budget, seed=args.seed, **common)
+            s = res.stats
+            if args.json:
+                print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": s.as_dict()}))
+                return 0
+            print(res.text)
+            print(f"\n[{s.method}{f' budget {s.budget}' if s.method == 'ddtree' else ''}] {s.new_tokens} tokens in "
+                  f"{s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s, tau {s.tau:.2f}, "
+                  f"TTFT {s.time_to_first_token * 1000:.0f} ms, stop: {s.stop_reason}, attention: "
+                  f"{s.attention_backend}, drafter: {s.drafter or '-'}", file=sys.stderr)
+            stages = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s.stage_seconds.items())
+            print(f"stages: {stages}", file=sys.stderr)
+        else:
+            result = compare.compare(pair, args.prompts, methods=args.methods.split(","), budget=args.budget,
+                                     seed=args.seed, **common)
+            return 0 if result.ok else 1
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

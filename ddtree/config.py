@@ -1,0 +1,129 @@
+"""Validated configuration dataclasses: the target architecture, the drafter, and sampling."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class ConfigError(ValueError):
+    """A model or generation setting that cannot work; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama/Qwen-family decoder (target or drafter)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope parameters for non-default RoPE types (llama3, yarn, ...)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # the original config.json
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ConfigError(f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalizes each head's query and key (RMSNorm over head_dim) before RoPE."""
+        return self.arch == "qwen3"
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always has q/k/v biases; Llama-style configs have them (and an o_proj bias) if attention_bias."""
+        return self.attention_bias or self.arch == "qwen2"
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers v4 or v5 layout)."""
+        arch = cfg.get("model_type", "")
+        if arch not in SUPPORTED_ARCHS:
+            raise ConfigError(f"config.json has model_type {arch!r}; ddtree supports {', '.join(SUPPORTED_ARCHS)} "
+                              "(Llama/Qwen-family decoders)")
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=bool(cfg.get("attention_bias", False)) and arch != "qwen2",
+            eos_token_ids=eos,
+            raw=dict(cfg),
+        )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face config.json dict for this shape."""
+        out = dict(self.raw)
+        out.update(
+            model_type=self.arch, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=self.tie_word_embeddings,
+            attention_bias=self.attention_bias, hidden_act="silu",
+        )
+        out.pop("rope_parameters", None)
+        out["rope_scaling"] = self.rope_scaling
+        if self.eos_token_ids:
+            out["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        return out
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the TARGET's next-token distribution is processed. temperature 0 = greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable nucleus sampling")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)

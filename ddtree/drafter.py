@@ -1,0 +1,207 @@
+"""The DFlash block-diffusion drafter (published checkpoint format), sharing the target's embedding and LM head.
+
+One pass drafts a whole block [bonus, MASK x (block_size - 1)]. Every draft layer attends, without a causal
+mask, over [context K/V ; block K/V], where the context K/V are that layer's k_proj/v_proj of the fused
+target features (fc + hidden_norm of the tap layers' hidden states) of the committed tokens. Context K/V are
+projected once, when tokens are committed, and kept in the drafter's KVCache; block K/V are dropped.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .attention import Visibility, attend, resolve_backend
+from .config import ConfigError, ModelConfig
+from .kv_cache import KVCache
+from .layers import DecoderLayer, RMSNorm, Rotary
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """One draft layer: the middle target layer; otherwise evenly spaced from 1 to L - 3, rounded."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, num_target_layers - 3
+    return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    model: ModelConfig  # the draft layers' shape (a Qwen3 decoder; hidden_size = the target's)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ConfigError("drafter target_layer_ids is empty")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ConfigError(f"drafter target_layer_ids has duplicates: {list(self.target_layer_ids)}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        dflash = cfg.get("dflash_config") or {}
+        if "mask_token_id" not in dflash or "block_size" not in cfg:
+            raise ConfigError("not a DFlash drafter config: config.json needs block_size and "
+                              "dflash_config.mask_token_id")
+        model = ModelConfig.from_hf({**cfg, "model_type": "qwen3"})
+        n_target = cfg.get("num_target_layers")
+        ids = dflash.get("target_layer_ids") or default_tap_layers(n_target, model.num_layers)
+        return cls(model, int(cfg["block_size"]), int(dflash["mask_token_id"]), tuple(ids), int(n_target))
+
+    def to_hf(self) -> dict:
+        out = self.model.to_hf()
+        out.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=self.block_size,
+                   num_target_layers=self.num_target_layers, tie_word_embeddings=False,
+                   dflash_config={"mask_token_id": self.mask_token_id,
+                                  "target_layer_ids": list(self.target_layer_ids)})
+        return out
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise a ConfigError naming the mismatch when this drafter cannot serve `target`."""
+        problems = []
+        if self.model.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.model.hidden_size} != target's {target.hidden_size}")
+        if self.model.vocab_size != target.vocab_size:
+            problems.append(f"vocab_size {self.model.vocab_size} != target's {target.vocab_size}")
+        if self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target's {target.num_layers} layers")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside the target's layers 0..{target.num_layers - 1}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocab (0..{target.vocab_size - 1})")
+        if problems:
+            raise ConfigError("drafter does not match the target: " + "; ".join(problems) +
+                              ". Use a drafter trained for this target.")
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, attention_backend: str = "auto"):
+        super().__init__()
+        m = cfg.model
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(m, qk_norm=True) for _ in range(m.num_layers))
+        self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        self.rotary = Rotary(m)
+        self.attention_backend = attention_backend
+        self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
+
+    # --- binding to the target --------------------------------------------------------------------------
+    def bind(self, target) -> "DFlashDrafter":
+        self.cfg.check_target(target.cfg)
+        self._target = (target,)
+        return self
+
+    @property
+    def target(self):
+        if not self._target:
+            raise RuntimeError("drafter is not bound to a target: call drafter.bind(target)")
+        return self._target[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def new_cache(self, capacity: int) -> KVCache:
+        m = self.cfg.model
+        w = self.fc.weight
+        return KVCache(m.num_layers, m.num_kv_heads, m.head_dim, capacity, w.dtype, w.device)
+
+    # --- decoding ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        """Commit context for the next n tokens: features [n, taps * H] from the target's tap layers."""
+        ctx = self.hidden_norm(self.fc(features))  # [n, H]
+        positions = torch.arange(cache.length, cache.length + ctx.shape[0], device=ctx.device)
+        cos, sin = self.rotary(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            cache.write(i, *layer.self_attn.key_value(ctx, cos, sin))
+        cache.commit(ctx.shape[0])
+
+    @torch.inference_mode()
+    def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """One pass over [bonus, MASK x (length - 1)] at positions cache.length + [0, length).
+        bonus: LongTensor [1]. Returns logits [length - 1, V] for block positions 1..length-1."""
+        length = length or self.block_size
+        block = torch.full((length,), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
+        block[:1] = bonus
+        h = self.target.embed(block)  # [B, H]
+        positions = torch.arange(cache.length, cache.length + length, device=h.device)
+        cos, sin = self.rotary(positions, h.dtype)
+        vis = Visibility(cache.length, None)  # non-causal: the block sees all context and all of itself
+        backend = resolve_backend(self.attention_backend, h.device)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.query(x, cos, sin)
+            k, v = cache.write(i, *attn.key_value(x, cos, sin))  # pending rows: dropped, never committed
+            h = h + attn.output(attend(q, k, v, vis, backend))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.target.logits(self.norm(h[1:]))
+
+    # --- the published checkpoint format ---------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+             attention_backend: str = "auto") -> "DFlashDrafter":
+        from .loading import read_config, read_safetensors
+
+        directory = Path(directory)
+        cfg = DrafterConfig.from_hf(read_config(directory))
+        drafter = cls(cfg, attention_backend)
+        state = read_safetensors(directory)
+        state = {k.removeprefix("model."): v for k, v in state.items()}  # tolerate a "model." prefix
+        state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError(f"drafter checkpoint {directory} does not match its config.json: missing "
+                              f"{sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+        return drafter.to(device=device, dtype=dtype).eval()
+
+
+def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
+                      mask_token_id: int | None = None) -> DFlashDrafter:
+    """A seeded random drafter shaped for `target`: exercises the machinery, predicts nothing useful."""
+    t = target.cfg
+    model = ModelConfig(arch="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+                        intermediate_size=t.intermediate_size, num_layers=num_layers, num_heads=t.num_heads,
+                        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, rms_norm_eps=t.rms_norm_eps,
+                        rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
+                        max_position_embeddings=t.max_position_embeddings)
+    mask = t.vocab_size - 1 if mask_token_id is None else mask_token_id
+    cfg = DrafterConfig(model, block_size, mask, tuple(default_tap_layers(t.num_layers, num_layers)), t.num_layers)
+    gen = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(cfg, target.attention_backend)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return drafter.to(device=target.device, dtype=target.dtype).eval().bind(target)
+
+
+def warn_untrained() -> None:
+    warnings.warn("ddtree: no trained drafter for this target: using an UNTRAINED (random) drafter. Outputs stay "
+                  "exact, but acceptance and speedups are meaningless. Pass draft=PATH to use a trained one.",
+                  stacklevel=3)

@@ -1,0 +1,202 @@
+"""One decoding loop for every method. A method only decides what to propose each step (a lone root, a
+chain, or a tree); verifying (one target pass), walking and committing are shared.
+
+    prefill prompt -> bonus
+    loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
+          logits = target(tree, tree mask)     # ONE pass over the N nodes
+          path, bonus = walk(tree, choose(logits))
+          commit path's K/V (+ drafter context from its tap features); emit path tokens + bonus
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .attention import Visibility, resolve_backend
+from .config import ConfigError, SamplingParams
+from .sampling import choose
+from .stats import GenerationStats, StageTimer
+from .tree import DraftTree, ancestor_matrix, best_first_tree, chain_parents, walk
+
+METHODS = ("ar", "dflash", "ddtree")
+
+
+class Method:
+    name = ""
+    uses_drafter = True
+    budget: int | None = None
+    block_size: int | None = None
+
+    def max_nodes(self) -> int:
+        """Largest tree (root included) this method verifies in one pass."""
+        raise NotImplementedError
+
+    def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
+        raise NotImplementedError
+
+
+class AR(Method):
+    """Plain autoregressive decoding: the tree is the root alone."""
+    name, uses_drafter = "ar", False
+
+    def max_nodes(self) -> int:
+        return 1
+
+    def propose(self, drafter, dcache, bonus, room, timer):
+        return DraftTree(bonus, *chain_parents(1))
+
+
+class DFlash(Method):
+    """Linear DFlash: the drafter's argmax at each block position, verified as a chain."""
+    name = "dflash"
+
+    def __init__(self, block_size: int):
+        if block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
+        self.block_size = block_size
+
+    def max_nodes(self) -> int:
+        return self.block_size
+
+    def propose(self, drafter, dcache, bonus, room, timer):
+        length = min(self.block_size, room)
+        if length < 2:
+            return DraftTree(bonus, *chain_parents(1))
+        with timer("draft"):
+            logits = drafter.draft(dcache, bonus, length)  # [length - 1, V]
+        with timer("tree_build"):
+            tokens = torch.cat([bonus, logits.argmax(dim=-1)])
+            return DraftTree(tokens, *chain_parents(length))
+
+
+class DDTree(Method):
+    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree."""
+    name = "ddtree"
+
+    def __init__(self, budget: int, block_size: int):
+        if not isinstance(budget, int) or budget < 1:
+            raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step), got {budget!r}")
+        if block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
+        self.budget, self.block_size = budget, block_size
+
+    def max_nodes(self) -> int:
+        return self.budget + 1
+
+    def propose(self, drafter, dcache, bonus, room, timer):
+        length = min(self.block_size, room)
+        if length < 2:
+            return DraftTree(bonus, *chain_parents(1))
+        with timer("draft"):
+            logits = drafter.draft(dcache, bonus, length)
+        with timer("tree_build"):
+            parents, depths, tokens = best_first_tree(logits.float().log_softmax(dim=-1), min(self.budget, room - 1))
+            tokens = torch.cat([bonus, torch.tensor(tokens, dtype=torch.long, device=bonus.device)])
+            return DraftTree(tokens, parents, depths)
+
+
+def make_method(name: str, budget: int = 64, block_size: int | None = None, drafter=None) -> Method:
+    if name not in METHODS:
+        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+    if name == "ar":
+        return AR()
+    if drafter is None:
+        raise ConfigError(f"method {name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
+    block_size = drafter.block_size if block_size is None else block_size
+    return DFlash(block_size) if name == "dflash" else DDTree(budget, block_size)
+
+
+class Decoder:
+    """Runs one method over a target (and drafter) for one prompt at a time (batch size 1)."""
+
+    def __init__(self, target, drafter=None):
+        self.target, self.drafter = target, drafter
+
+    def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
+        """The target's choice at every node, then the walk. Tests override this to plant a biased rule."""
+        return walk(tree, ancestors, choose(logits, sampling, generator))
+
+    def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
+        target, drafter, cfg = self.target, self.drafter, self.target.cfg
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if len(prompt_ids) > cfg.max_position_embeddings:
+            raise ConfigError(f"the prompt has {len(prompt_ids)} tokens, more than the target's context limit of "
+                              f"{cfg.max_position_embeddings}; shorten it")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if method.uses_drafter and drafter is None:
+            raise ConfigError(f"method {method.name!r} needs a drafter")
+        device, stop = target.device, set(stop_ids)
+        generator = None
+        if not sampling.greedy and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        m = len(prompt_ids)
+        capacity = min(cfg.max_position_embeddings, m + max_new_tokens + method.max_nodes())
+        tcache = target.new_cache(capacity)
+        dcache = drafter.new_cache(capacity) if method.uses_drafter else None
+        taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
+        stats = GenerationStats(method.name, method.budget, method.block_size, m,
+                                attention_backend=resolve_backend(target.attention_backend, device),
+                                drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
+        timer = StageTimer(device)
+        t0 = time.perf_counter()
+
+        with timer("prefill"):
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+            out = target(ids, torch.arange(m, device=device), tcache, Visibility.causal(0, m, device), taps,
+                         last_only=True)
+            tcache.commit(m)
+            bonus = int(choose(out.logits, sampling, generator)[0])
+            if dcache is not None:
+                drafter.add_context(dcache, out.taps)
+        stats.time_to_first_token = time.perf_counter() - t0
+        tokens = [bonus]
+
+        while True:
+            if tokens[-1] in stop:
+                stats.stop_reason = "eos"
+                break
+            if len(tokens) >= max_new_tokens:
+                stats.stop_reason = "max_new_tokens"
+                break
+            if tcache.room < 1:
+                stats.stop_reason = "context_limit"
+                break
+            start = tcache.length
+            tree = method.propose(drafter, dcache, torch.tensor([bonus], device=device), tcache.room, timer)
+            with timer("tree_compile"):
+                ancestors = None
+                if tree.size > 1:
+                    ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device)
+                vis = Visibility(start, ancestors)
+                positions = torch.from_numpy(tree.depths).to(device) + start
+            with timer("verify"):
+                out = target(tree.tokens, positions, tcache, vis, taps)
+                path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
+            with timer("commit"):
+                n = len(path)
+                rows = None if path[-1] == n - 1 else torch.tensor(path, device=device)  # a prefix needs no move
+                tcache.commit(n, rows)
+                if dcache is not None:
+                    drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
+            stats.acceptance_lengths.append(n)
+            emitted = [choices[i] for i in path]  # accepted drafts, then the bonus token
+            for j, tok in enumerate(emitted):
+                if tok in stop:
+                    emitted = emitted[: j + 1]
+                    break
+            tokens.extend(emitted)
+            del tokens[max_new_tokens:]
+            bonus = tokens[-1]
+
+        stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = len(tokens)
+        stats.stage_seconds = dict(timer.seconds)
+        return tokens, stats

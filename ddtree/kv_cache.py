@@ -1,0 +1,46 @@
+"""A preallocated KV cache for one sequence, owned by the model that fills it."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of all layers: k, v [layers, kv_heads, capacity, head_dim].
+
+    `length` rows are committed. A forward pass writes its N new rows at [length, length + N) and reads
+    [0, length + N); `commit` then keeps some of those rows (moving them to sit right after the committed
+    ones) and drops the rest, so nothing is ever re-allocated during decoding.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    @property
+    def room(self) -> int:
+        return self.capacity - self.length
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the pass's new rows (k, v [kv_heads, N, head_dim]); return the visible [0, length + N) views."""
+        end = self.length + k.shape[1]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
+        self.k[layer, :, self.length:end] = k
+        self.v[layer, :, self.length:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def commit(self, n: int, rows: torch.Tensor | None = None) -> None:
+        """Commit n of the pending rows: the first n (rows=None), or pending rows `rows` (sorted, [n])."""
+        if rows is not None:
+            start = self.length
+            # Gather makes a copy, so overlapping source/destination ranges are safe.
+            self.k[:, :, start:start + n] = self.k[:, :, start + rows]
+            self.v[:, :, start:start + n] = self.v[:, :, start + rows]
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0

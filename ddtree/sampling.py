@@ -1,0 +1,32 @@
+"""The target's token choice at each verified position: argmax at T = 0, else a sample of the processed
+distribution (temperature, then top-k, then top-p). Each position is drawn independently, which is what
+makes the tree walk lossless: the committed token at every step is the target's own draw given its prefix."""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> probabilities [N, V] (fp32) after temperature, top-k and top-p."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [N, V] -> the target's token at each of the N positions, LongTensor [N]."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(processed_probs(logits, params), 1, generator=generator).squeeze(-1)

@@ -1,0 +1,66 @@
+"""Stage timing and per-generation statistics."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("prefill", "draft", "tree_build", "tree_compile", "verify", "commit")
+
+
+class StageTimer:
+    """Accumulates wall time per stage. On CUDA it synchronizes at stage edges so times are attributed
+    to the stage that launched the work (one extra sync per stage; pass sync=False to skip it)."""
+
+    def __init__(self, device: torch.device, sync: bool = True):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._sync = sync and torch.device(device).type == "cuda"
+
+    @contextmanager
+    def __call__(self, stage: str):
+        if self._sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.seconds[stage] += time.perf_counter() - t0
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    budget: int | None
+    block_size: int | None
+    prompt_tokens: int
+    new_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step, bonus included
+    seconds: float = 0.0  # whole generate() call: prefill + decode
+    time_to_first_token: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_limit"
+    attention_backend: str = ""
+    drafter: str = ""
+
+    @property
+    def steps(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length per target verify pass, bonus token included (1.0 for plain decoding)."""
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items()}
+        d.update(steps=self.steps, tau=self.tau, tokens_per_second=self.tokens_per_second)
+        return d

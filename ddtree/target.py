@@ -1,0 +1,85 @@
+"""The target model: a Llama/Qwen-family decoder with a preallocated KV cache and tap-layer capture."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import Visibility, attend, resolve_backend
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .layers import DecoderLayer, RMSNorm, Rotary
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.qk_norm) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [N, V] (or [1, V] when only the last position was asked for)
+    taps: torch.Tensor | None  # [N, len(tap_layers) * hidden]: the drafter's context features
+
+
+class TargetModel(nn.Module):
+    """Parameter names follow Hugging Face (model.layers.{i}..., lm_head) so HF state dicts load as they are."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg)
+        self.attention_backend = attention_backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states -> logits; the drafter shares this LM head."""
+        return self.lm_head(hidden)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
+                tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
+        """One pass over N new tokens [N] at `positions` [N]; writes their K/V at cache rows
+        [cache.length, cache.length + N) without committing them (the caller commits)."""
+        backend = resolve_backend(self.attention_backend, self.device)
+        h = self.embed(tokens)  # [N, H]
+        cos, sin = self.rotary(positions, h.dtype)
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.query(x, cos, sin)
+            k, v = cache.write(i, *attn.key_value(x, cos, sin))
+            h = h + attn.output(attend(q, k, v, vis, backend))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in tap_layers:
+                taps.append(h)
+        if last_only:
+            h = h[-1:]
+        logits = self.logits(self.model.norm(h))
+        # Tap order follows tap_layers (the drafter's target_layer_ids order).
+        by_layer = dict(zip(sorted(tap_layers), taps))
+        features = torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None
+        return TargetOutput(logits, features)

@@ -1,0 +1,36 @@
+"""Seeded random models for tests, CI and GPU timing runs (real shapes, random weights)."""
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .drafter import untrained_drafter
+from .target import TargetModel
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
+            head_dim=16, max_position_embeddings=512)
+QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, max_position_embeddings=40960)
+
+
+def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, device="cpu", init_scale: float = 0.1,
+                  **overrides) -> TargetModel:
+    """A seeded random target. init_scale is the weights' std; larger gives peakier next-token distributions."""
+    fields = {**TINY, "arch": arch, "rope_theta": 10000.0, "tie_word_embeddings": arch == "llama", **overrides}
+    cfg = ModelConfig(**fields)
+    gen = torch.Generator().manual_seed(seed)
+    model = TargetModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * init_scale)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, block_size: int = 8, **kw):
+    target = random_target(arch, seed, **kw)
+    drafter = untrained_drafter(target, num_draft_layers, block_size, seed=seed + 1)
+    drafter.label = "random"
+    return target, drafter

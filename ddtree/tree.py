@@ -1,0 +1,97 @@
+"""Draft trees as pure functions: build (best-first heap), compile (ancestor mask), walk (accept).
+
+A tree has N nodes in "tree order": node 0 is the root (the bonus token the target committed last), every
+parent precedes its children, and node i sits at position start + depth[i]. A chain (linear DFlash) and a
+lone root (plain decoding) are trees too, so one verify/walk/commit path serves all three methods.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [N] long, on the model's device; tokens[0] = root
+    parents: np.ndarray  # [N] int64, parents[0] = -1
+    depths: np.ndarray  # [N] int64, depths[0] = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+
+def chain_parents(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Parents and depths of a chain of n nodes (root included)."""
+    return np.arange(-1, n - 1, dtype=np.int64), np.arange(n, dtype=np.int64)
+
+
+def best_first_tree(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Pick the `budget` draft paths with the highest probability under the drafter's per-position factorization.
+
+    logprobs: [depth, V] log-probabilities for block positions 1..depth. A node is a path of ranks (one per
+    depth) scored by the sum of its ranks' log-probs. Popping the best node and pushing its next-rank sibling
+    and its rank-0 child visits nodes in non-increasing score order; since a child never outscores its parent,
+    the first `budget` pops form a tree that maximizes the summed node probability (expected accepted length).
+    Returns parents [budget + 1], depths [budget + 1] (root included) and the budget nodes' token ids.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    max_depth, vocab = logprobs.shape
+    k = min(budget, vocab)
+    top_lp, top_ids = logprobs.float().topk(k, dim=-1)  # [depth, k] each, ranks in descending order
+    lp, ids = top_lp.tolist(), top_ids.tolist()
+    parents, depths, tokens = [-1], [0], []
+    # heap entries: (-score, parent node, depth index d (block position d + 1), rank r)
+    heap = [(-lp[0][0], 0, 0, 0)]
+    while heap and len(tokens) < budget:
+        neg, parent, d, r = heapq.heappop(heap)
+        node = len(parents)
+        parents.append(parent)
+        depths.append(d + 1)
+        tokens.append(ids[d][r])
+        if r + 1 < k:  # next sibling: same parent, next rank at this depth
+            heapq.heappush(heap, (neg + lp[d][r] - lp[d][r + 1], parent, d, r + 1))
+        if d + 1 < max_depth:  # first child: best rank one level deeper
+            heapq.heappush(heap, (neg - lp[d + 1][0], node, d + 1, 0))
+    return np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64), tokens
+
+
+def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
+    """bool [N, N]: [i, j] = node j is an ancestor-or-self of node i (the tree-attention visibility)."""
+    n = len(parents)
+    rows = np.arange(n)
+    anc = np.zeros((n, n), dtype=bool)
+    anc[rows, rows] = True
+    cur = rows.copy()
+    up = np.where(parents < 0, rows, parents)  # the root is its own parent, so hops saturate there
+    for _ in range(int(depths.max(initial=0))):
+        cur = up[cur]
+        anc[rows, cur] = True
+    return anc
+
+
+def walk(tree: DraftTree, ancestors: torch.Tensor | None, choices: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Accept the longest root path on which every node's token is the target's choice at its parent.
+
+    choices [N]: the target's token at each node (argmax, or a sample of its distribution given that node's
+    prefix). Returns the accepted path (node indices, root first) and all N choices on the host. The tokens
+    to emit are choices[path]: the choice at each path node is the next node's token (an accepted draft),
+    and the choice at the path's end is the bonus token. One device->host transfer.
+    """
+    if tree.size == 1:
+        return [0], choices.tolist()
+    parents = torch.from_numpy(tree.parents).to(choices.device)
+    depths = torch.from_numpy(tree.depths).to(choices.device)
+    match = tree.tokens == choices[parents.clamp(min=0)]  # [N] node's token is its parent's choice
+    match[0] = True
+    ok = ~(ancestors & ~match[None, :]).any(dim=1)  # [N] the whole root path matches
+    end = torch.where(ok, depths, -1).argmax()
+    host = torch.cat([end.view(1), choices]).tolist()
+    path = [host[0]]
+    while path[-1] != 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1], host[1:]

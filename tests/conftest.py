@@ -1,0 +1,55 @@
+"""Shared fixtures: seeded random pairs, an oracle drafter that makes acceptance deep and branchy."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ddtree.config import SamplingParams
+from ddtree.engine import Decoder, make_method
+from ddtree.testing import random_pair
+
+torch.set_num_threads(1)  # tiny models: per-op overhead dominates, threads only contend
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M target (slower; CI runs it)")
+
+
+def plant_oracle(drafter, reference: list[int], seed: int = 0, top1: float = 0.6, vocab_noise: float = 1.0):
+    """Make drafter.draft() predict `reference` (prompt + the target's greedy output): the right token is
+    ranked first with probability top1, else second or third. A random drafter accepts almost nothing; this
+    one gives long, branching accepted paths, so tree walks and non-prefix KV compaction get exercised."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = drafter.cfg.model.vocab_size
+
+    def draft(self, cache, bonus, length=None):
+        length = length or self.block_size
+        logits = torch.randn(length - 1, vocab, generator=gen) * vocab_noise
+        for i in range(1, length):
+            pos = cache.length + i
+            if pos < len(reference):
+                rank = 0 if torch.rand((), generator=gen) < top1 else int(torch.randint(1, 3, (), generator=gen))
+                top = logits[i - 1].topk(3).values
+                logits[i - 1, reference[pos]] = top[rank] + (1e-3 if rank == 0 else 0.0)
+                if rank:  # push the token that held this rank just below it
+                    logits[i - 1, reference[pos]] += 1e-4
+        return logits.to(self.fc.weight.dtype)
+
+    drafter.draft = types.MethodType(draft, drafter)
+    return drafter
+
+
+@pytest.fixture
+def pairs():
+    """Seeded random (target, drafter) pairs for Llama and Qwen3 targets."""
+    return {arch: random_pair(arch, seed=11, num_draft_layers=2, block_size=8, init_scale=0.25)
+            for arch in ("llama", "qwen3")}
+
+
+def run(target, drafter, prompt, method, budget=16, block_size=None, max_new_tokens=24, stop_ids=(),
+        sampling=SamplingParams(), seed=None):
+    dec = Decoder(target, drafter)
+    return dec.generate(prompt, make_method(method, budget, block_size, drafter), sampling, max_new_tokens,
+                        stop_ids, seed)

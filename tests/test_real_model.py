@@ -1,0 +1,45 @@
+"""Greedy losslessness on the real embedded target (SmolLM2-135M-Instruct, dequantized from its GGUF)."""
+import warnings
+
+import pytest
+
+from conftest import plant_oracle
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "What is the capital of France? Answer in one sentence.",
+           "List three colors."]
+
+
+@pytest.fixture(scope="module")
+def pair32():
+    import ddtree
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ddtree.load(dtype="float32", device="cpu")
+
+
+def test_default_pair_loads(pair32):
+    cfg = pair32.target.cfg
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+    assert 2 in pair32.stop_ids  # <|im_end|>
+    ids = pair32.encode("hi")
+    assert pair32.tokenizer.decode(ids).startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["shipped-or-untrained-drafter", "oracle-drafter"])
+def test_real_target_greedy_lossless(pair32, oracle):
+    for i, prompt in enumerate(PROMPTS):
+        ref = pair32.generate(prompt, method="ar", max_new_tokens=40)
+        assert len(ref.token_ids) > 5 and ref.text.strip()
+        if oracle:
+            plant_oracle(pair32.drafter, ref.prompt_ids + ref.token_ids + [0] * 300, seed=i, top1=0.7)
+        for method, budget in [("dflash", 1), ("ddtree", 16), ("ddtree", 64)]:
+            res = pair32.generate(prompt, method=method, budget=budget, max_new_tokens=40)
+            assert res.token_ids == ref.token_ids, f"{method}:{budget} diverged on {prompt!r}"
+            if oracle:
+                assert res.stats.tau > 1.5
+    if oracle:
+        del pair32.drafter.draft  # restore the class's draft()

@@ -1,0 +1,109 @@
+"""Sampling losslessness: at T > 0 every method's sequences follow the target's own distribution.
+
+On a 6-token vocabulary, the exact probability of every 3-token continuation is enumerated from the target;
+each method's empirical distribution over many seeded samples is then tested with a chi-square test at
+alpha = 1e-3 (deterministic: fixed seeds). A deliberately biased acceptance rule must FAIL the same test.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddtree.attention import Visibility
+from ddtree.config import SamplingParams
+from ddtree.engine import Decoder, make_method
+from ddtree.sampling import processed_probs
+from ddtree.testing import random_pair
+from ddtree.tree import walk
+
+VOCAB, LENGTH, SAMPLES = 6, 3, 2400
+PROMPT = [1, 4, 2, 5]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return random_pair("llama", seed=21, block_size=4, vocab_size=VOCAB, init_scale=0.6)
+
+
+def exact_distribution(target, params: SamplingParams) -> dict[tuple, float]:
+    dist = {}
+    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+        ids = torch.tensor(PROMPT + list(seq))
+        cache = target.new_cache(len(ids))
+        logits = target(ids, torch.arange(len(ids)), cache, Visibility.causal(0, len(ids), "cpu")).logits
+        probs = processed_probs(logits[len(PROMPT) - 1:-1], params)
+        dist[seq] = float(torch.prod(probs[torch.arange(LENGTH), torch.tensor(seq)]))
+    return dist
+
+
+def chi_square_rejects(counts: dict, dist: dict, n: int, alpha_z: float = 3.09) -> tuple[bool, float, float]:
+    """Pearson chi-square with bins of expected count < 5 pooled; critical value by Wilson-Hilferty."""
+    stat, pooled_obs, pooled_exp, bins = 0.0, 0, 0.0, 0
+    for seq, p in dist.items():
+        exp, obs = p * n, counts.get(seq, 0)
+        if exp < 5:
+            pooled_obs, pooled_exp = pooled_obs + obs, pooled_exp + exp
+        else:
+            stat += (obs - exp) ** 2 / exp
+            bins += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        bins += 1
+    k = bins - 1
+    critical = k * (1 - 2 / (9 * k) + alpha_z * math.sqrt(2 / (9 * k))) ** 3
+    return stat > critical, stat, critical
+
+
+def sample_counts(decoder, method, params, n=SAMPLES):
+    counts = {}
+    for s in range(n):
+        tokens, _ = decoder.generate(PROMPT, method, params, LENGTH, seed=s)
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    return counts
+
+
+class BiasedDecoder(Decoder):
+    """Accepts a draft child whenever the target gives it >= 25% probability, instead of drawing: biased."""
+
+    def accept(self, tree, ancestors, logits, sampling, generator):
+        probs = processed_probs(logits, sampling)
+        choices = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        for child in range(1, tree.size):
+            parent, tok = int(tree.parents[child]), int(tree.tokens[child])
+            if probs[parent, tok] >= 0.25:
+                choices[parent] = tok
+        return walk(tree, ancestors, choices)
+
+
+CASES = [("ar", 1, SamplingParams(1.0)), ("dflash", 1, SamplingParams(1.0)), ("ddtree", 6, SamplingParams(1.0)),
+         ("ddtree", 20, SamplingParams(0.7, top_p=0.9, top_k=4)), ("ar", 1, SamplingParams(0.7, top_p=0.9, top_k=4))]
+
+
+@pytest.mark.parametrize("name,budget,params", CASES, ids=[f"{c[0]}-{c[1]}-T{c[2].temperature}" for c in CASES])
+def test_sampling_matches_target_distribution(pair, name, budget, params):
+    target, drafter = pair
+    dist = exact_distribution(target, params)
+    counts = sample_counts(Decoder(target, drafter), make_method(name, budget, None, drafter), params)
+    rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
+    assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: {name} is not lossless"
+
+
+def test_biased_acceptance_rule_is_caught(pair):
+    target, drafter = pair
+    params = SamplingParams(1.0)
+    dist = exact_distribution(target, params)
+    counts = sample_counts(BiasedDecoder(target, drafter), make_method("ddtree", 6, None, drafter), params)
+    rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
+    assert rejected, f"the biased rule went unnoticed (chi-square {stat:.1f} <= {critical:.1f})"
+
+
+def test_processed_probs_top_k_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    p = processed_probs(logits, SamplingParams(1.0, top_k=2))
+    assert (p[0, 2:] == 0).all() and p.sum().item() == pytest.approx(1.0)
+    full = logits.softmax(-1)[0]
+    p = processed_probs(logits, SamplingParams(1.0, top_p=float(full[0]) + 1e-3))
+    assert (p[0, 2:] == 0).all() and p[0, 1] > 0  # the first token alone falls short of top_p
+    p = processed_probs(logits, SamplingParams(1.0, top_p=0.01))
+    assert p[0, 0] == 1.0

@@ -1,0 +1,104 @@
+"""Tree building, compiling and walking: pure functions checked against brute force."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from ddtree.tree import DraftTree, ancestor_matrix, best_first_tree, chain_parents, walk
+
+
+def brute_force_best(logprobs: torch.Tensor, budget: int) -> float:
+    """The largest total probability of any `budget` prefix-closed paths (a valid tree), by enumeration."""
+    depth, vocab = logprobs.shape
+    paths = [p for d in range(1, depth + 1) for p in itertools.product(range(vocab), repeat=d)]
+    prob = {p: float(sum(logprobs[i, t] for i, t in enumerate(p)).exp()) for p in paths}
+    # The best prefix-closed set is the `budget` most probable paths: a child never outscores its parent,
+    # so taking the top-`budget` (parents break ties first) is always prefix-closed.
+    ranked = sorted(paths, key=lambda p: (-prob[p], len(p)))
+    return sum(prob[p] for p in ranked[:budget])
+
+
+def tree_paths(parents, tokens):
+    paths = {0: ()}
+    for i in range(1, len(parents)):
+        paths[i] = paths[int(parents[i])] + (tokens[i - 1],)
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("budget", [1, 2, 5, 9, 20])
+def test_heap_tree_is_optimal(seed, budget):
+    gen = torch.Generator().manual_seed(seed)
+    depth, vocab = 3, 4
+    logprobs = (torch.randn(depth, vocab, generator=gen) * 2).log_softmax(-1)
+    parents, depths, tokens = best_first_tree(logprobs, budget)
+    n = min(budget, sum(vocab ** d for d in range(1, depth + 1)))
+    assert len(tokens) == n and len(parents) == n + 1 and len(depths) == n + 1
+    assert all(parents[i] < i for i in range(1, n + 1)), "every parent precedes its children"
+    assert all(depths[i] == depths[parents[i]] + 1 for i in range(1, n + 1))
+    paths = tree_paths(parents, tokens)
+    assert len(set(paths.values())) == n + 1, "no duplicate paths"
+    total = sum(float(sum(logprobs[i, t] for i, t in enumerate(p)).exp()) for p in list(paths.values())[1:])
+    assert total == pytest.approx(brute_force_best(logprobs, budget), rel=1e-5)
+
+
+def test_budget_larger_than_vocab_and_depth():
+    logprobs = torch.randn(2, 3).log_softmax(-1)
+    parents, depths, tokens = best_first_tree(logprobs, 100)
+    assert len(tokens) == 3 + 9  # the whole tree of depth 2 over 3 tokens
+    with pytest.raises(ValueError, match="budget"):
+        best_first_tree(logprobs, 0)
+
+
+def test_ancestor_matrix_matches_parent_walks():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 17, 64):
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+        depths = np.zeros(n, dtype=np.int64)
+        for i in range(1, n):
+            depths[i] = depths[parents[i]] + 1
+        anc = ancestor_matrix(parents, depths)
+        for i in range(n):
+            expect, j = {i}, i
+            while parents[j] >= 0:
+                j = int(parents[j])
+                expect.add(j)
+            assert set(np.flatnonzero(anc[i])) == expect
+
+
+def test_chain_is_lower_triangular():
+    parents, depths = chain_parents(5)
+    assert (ancestor_matrix(parents, depths) == np.tril(np.ones((5, 5), dtype=bool))).all()
+
+
+def make_tree(parents, tokens):
+    parents = np.array(parents)
+    depths = np.zeros(len(parents), dtype=np.int64)
+    for i in range(1, len(parents)):
+        depths[i] = depths[parents[i]] + 1
+    return DraftTree(torch.tensor(tokens), parents, depths), torch.from_numpy(ancestor_matrix(parents, depths))
+
+
+def test_walk_follows_matching_children():
+    #        0(root:5)
+    #       /     \
+    #     1(7)    2(8)
+    #     |        |
+    #     3(9)    4(3)
+    tree, anc = make_tree([-1, 0, 0, 1, 2], [5, 7, 8, 9, 3])
+    # target picks 8 at the root, 3 at node 2, then 6 at node 4: path 0-2-4, bonus 6
+    choices = torch.tensor([8, 0, 3, 0, 6])
+    path, ch = walk(tree, anc, choices)
+    assert path == [0, 2, 4] and [ch[i] for i in path] == [8, 3, 6]
+    # a mismatch at the root: nothing accepted, the root's choice is the bonus
+    path, ch = walk(tree, anc, torch.tensor([1, 9, 3, 0, 0]))
+    assert path == [0] and ch[0] == 1
+    # a deeper node whose own token matches but whose parent did not is NOT accepted
+    path, _ = walk(tree, anc, torch.tensor([7, 1, 3, 0, 0]))
+    assert path == [0, 1]
+
+
+def test_walk_single_node():
+    tree = DraftTree(torch.tensor([4]), *chain_parents(1))
+    assert walk(tree, None, torch.tensor([2])) == ([0], [2])
