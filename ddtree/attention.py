@@ -8,8 +8,6 @@ tree-attention kernel in ddtree.kernels, used automatically on CUDA).
 from __future__ import annotations
 
 import os
-from functools import cached_property
-
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +25,7 @@ class Visibility:
         self.past_len = past_len
         self.ancestors = ancestors
         self._dense: dict[int, torch.Tensor] = {}
+        self._bits: torch.Tensor | None = None
 
     @classmethod
     def causal(cls, past_len: int, n: int, device) -> "Visibility":
@@ -44,12 +43,14 @@ class Visibility:
             self._dense[group] = torch.cat([past, self.ancestors], dim=1).repeat(group, 1)
         return self._dense[group]
 
-    @cached_property
-    def bits(self) -> torch.Tensor:
-        """Packed ancestor bits int32 [N, ceil(N / 32)] for the Triton kernel."""
-        from .kernels.tree_attention import pack_ancestor_bits
+    def bits(self, n: int, device) -> torch.Tensor:
+        """Packed visibility bits int32 [N, ceil(N / 32)] for the Triton kernel (all set when ancestors is None)."""
+        if self._bits is None:
+            from .kernels.tree_attention import pack_ancestor_bits
 
-        return pack_ancestor_bits(self.ancestors)
+            vis = self.ancestors if self.ancestors is not None else torch.ones(n, n, dtype=torch.bool, device=device)
+            self._bits = pack_ancestor_bits(vis)
+        return self._bits
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -74,9 +75,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, b
     if backend == "triton":
         from .kernels.tree_attention import tree_attention
 
-        if vis.ancestors is None:  # all-visible block: the kernel's bit mask with every bit set
-            vis.ancestors = torch.ones(n, n, dtype=torch.bool, device=q.device)
-        return tree_attention(q, k, v, vis.past_len, vis.bits)
+        # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key
+        # blocks past each tile's last node; the drafter's all-visible block is not.
+        return tree_attention(q, k, v, vis.past_len, vis.bits(n, q.device), causal_tree=vis.ancestors is not None)
     hkv = k.shape[0]
     group = hq // hkv
     # Fold the query heads that share a KV head into the query axis: no copy of K/V for GQA.

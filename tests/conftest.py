@@ -1,10 +1,15 @@
 """Shared fixtures: seeded random pairs, an oracle drafter that makes acceptance deep and branchy."""
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on the CPU; it must be chosen before triton is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ddtree.config import SamplingParams
 from ddtree.engine import Decoder, make_method
