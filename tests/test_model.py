@@ -81,3 +81,17 @@ def test_tap_features_are_layer_outputs():
     cache2 = target.new_cache(8)
     out1 = target(ids, torch.arange(8), cache2, Visibility.causal(0, 8, "cpu"), tap_layers=(1,))
     torch.testing.assert_close(out.taps[:, h:], out1.taps)  # order follows tap_layers, not layer order
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_ar_equals_huggingface_generate(arch):
+    """Plain decoding through our engine gives HF generate()'s greedy tokens (an independent reference)."""
+    from ddtree.api import Pair
+    from ddtree.hf_baseline import hf_generate, to_hf_model
+
+    target = random_target(arch, seed=5, init_scale=0.25)
+    hf = to_hf_model(target)
+    for prompt in ([1, 2, 3], list(range(7, 30))):
+        ours = Pair(target, None, None).generate(prompt, method="ar", max_new_tokens=24).token_ids
+        theirs, _ = hf_generate(hf, prompt, 24)
+        assert ours == theirs

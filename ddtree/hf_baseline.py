@@ -1,0 +1,35 @@
+"""Hugging Face `generate()` on exactly our target's weights: the reference point for the `ar` baseline's speed
+(no speedup may come from a slow baseline) and an independent check of its greedy tokens."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def to_hf_model(target):
+    """A transformers CausalLM holding a copy of the same weights, in the same dtype and on the same device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
+    hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype)
+    result = model.load_state_dict(target.state_dict(), strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise RuntimeError(f"HF model does not match the target: {result}")
+    if target.cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(target.device).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids=()) -> tuple[list[int], float]:
+    """Greedy HF generate(); returns the new tokens and the wall time in seconds."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    eos = list(stop_ids) or None
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=(eos or [0])[0], temperature=None, top_p=None, top_k=None)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
