@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        from . import api, compare
+        from . import api
+        from .compare import compare as run_compare
 
         pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             stages = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s.stage_seconds.items())
             print(f"stages: {stages}", file=sys.stderr)
         else:
-            result = compare.compare(pair, args.prompts, methods=args.methods.split(","), budget=args.budget,
+            result = run_compare(pair, args.prompts, methods=args.methods.split(","), budget=args.budget,
                                      seed=args.seed, **common)
             return 0 if result.ok else 1
     except ConfigError as e:

@@ -95,3 +95,11 @@ def test_checker_classifies_tie_flips_and_errors():
     assert check_tokens(ref, [5, 1], lambda i: small, torch.float32).kind == "error"
     # same prefix, different length: an error (a stop decision diverged)
     assert check_tokens(ref, ref[:3], lambda i: clear, torch.float32).kind == "error"
+
+
+def test_cli_reports_config_errors(capsys):
+    from ddtree.cli import main
+
+    assert main(["generate", "hi", "--target", "/nonexistent/model"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["compare", "hi", "--target", "/nonexistent/model"]) == 2

