@@ -118,9 +118,8 @@ class Decoder:
         """The target's choice at every node, then the walk. Tests override this to plant a biased rule."""
         return walk(tree, ancestors, choose(logits, sampling, generator))
 
-    def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
-        target, drafter, cfg = self.target, self.drafter, self.target.cfg
+    def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int) -> None:
+        cfg = self.target.cfg
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         if len(prompt_ids) > cfg.max_position_embeddings:
@@ -131,8 +130,13 @@ class Decoder:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if method.uses_drafter and drafter is None:
+        if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
+
+    def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
+        target, drafter, cfg = self.target, self.drafter, self.target.cfg
+        self._validate(prompt_ids, method, max_new_tokens)
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:
@@ -159,16 +163,7 @@ class Decoder:
         stats.time_to_first_token = time.perf_counter() - t0
         tokens = [bonus]
 
-        while True:
-            if tokens[-1] in stop:
-                stats.stop_reason = "eos"
-                break
-            if len(tokens) >= max_new_tokens:
-                stats.stop_reason = "max_new_tokens"
-                break
-            if tcache.room < 1:
-                stats.stop_reason = "context_limit"
-                break
+        while not (stop_reason := _stop_reason(tokens, stop, max_new_tokens, tcache.room)):
             start = tcache.length
             tree = method.propose(drafter, dcache, torch.tensor([bonus], device=device), tcache.room, timer)
             with timer("tree_compile"):
@@ -187,16 +182,23 @@ class Decoder:
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
             stats.acceptance_lengths.append(n)
-            emitted = [choices[i] for i in path]  # accepted drafts, then the bonus token
-            for j, tok in enumerate(emitted):
-                if tok in stop:
-                    emitted = emitted[: j + 1]
-                    break
-            tokens.extend(emitted)
+            # emit the accepted drafts and the bonus token, cut after a stop token or at max_new_tokens
+            emitted = [choices[i] for i in path]
+            cut = next((j + 1 for j, tok in enumerate(emitted) if tok in stop), len(emitted))
+            tokens.extend(emitted[:cut])
             del tokens[max_new_tokens:]
             bonus = tokens[-1]
 
+        stats.stop_reason = stop_reason
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = len(tokens)
         stats.stage_seconds = dict(timer.seconds)
         return tokens, stats
+
+
+def _stop_reason(tokens: list[int], stop: set[int], max_new_tokens: int, room: int) -> str:
+    if tokens[-1] in stop:
+        return "eos"
+    if len(tokens) >= max_new_tokens:
+        return "max_new_tokens"
+    return "context_limit" if room < 1 else ""
