@@ -21,6 +21,7 @@ import json
 import random
 import re
 import sysconfig
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,7 +149,7 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledem
               "tkinter", "config-3", "dist-packages"}
 
 
-def stdlib_prompts(max_files: int = 400) -> list[Prompt]:
+def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not any(part in _SKIP_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
@@ -157,14 +158,17 @@ def stdlib_prompts(max_files: int = 400) -> list[Prompt]:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
+            lines = source.splitlines(keepends=True)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
-            code = ast.get_source_segment(source, node)
-            if not doc or not code or not 150 <= len(code) <= 1800:
+            if not doc or node.end_lineno - node.lineno > 60:
+                continue
+            code = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).strip()
+            if not 150 <= len(code) <= 1800:
                 continue
             key = f"stdlib/{path.relative_to(root)}:{node.name}:{node.lineno}"
             kind = random.Random(key).choice(["explain", "implement", "tests", "review"])
@@ -216,7 +220,9 @@ def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: i
     if unknown:
         raise ValueError(f"unknown prompt sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
     total = sum(mix.values())
-    counts = {name: round(num_prompts * w / total) for name, w in mix.items()}
+    counts = {name: int(num_prompts * w / total) for name, w in mix.items()}
+    for name in sorted(mix, key=mix.get, reverse=True)[: num_prompts - sum(counts.values())]:
+        counts[name] += 1  # the rounding remainder goes to the largest sources
     banned = evaluation_shingles()
     pools = {}
     for name in counts:

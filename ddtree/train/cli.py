@@ -1,0 +1,251 @@
+"""`python -m ddtree train {generate-data,fit,export}`: the drafter training recipe from the command line.
+
+    python -m ddtree train generate-data --out data/smollm2 --num-prompts 2000
+    python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
+    python -m ddtree train fit --data data/smollm2 --out runs/l1 --resume          # next 2-hour chunk
+    python -m ddtree train export --run runs/l1 --out ddtree/assets/smollm2-135m-dflash
+Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    """The tokenizer's own mask token if it has one; else its highest-id special token that is not
+    bos/eos/pad/unk (never produced in chat, so it cannot collide with a real bonus token); else the last id.
+    SmolLM2: id 16 `<empty_output>`, one of the StarCoder metadata tokens (5, 7-16) whose embedding rows are
+    identical, i.e. never trained: the target never emits it, and its embedding is far from every real token."""
+    if tokenizer is None:
+        return vocab_size - 1
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    reserved = {getattr(tokenizer, n, None) for n in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = [i for i, t in decoder.items() if getattr(t, "special", False) and i not in reserved
+                  and i < vocab_size and t.content not in template]
+    return max(candidates) if candidates else vocab_size - 1
+
+
+def _target_args(p):
+    p.add_argument("--target", help="HF model directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="target dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _load_target(args):
+    from ..loading import load_target, load_tokenizer, parse_dtype, resolve_target_dir, stop_token_ids
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and "LOCAL_RANK" in __import__("os").environ:
+        device = torch.device("cuda", int(__import__("os").environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    directory = resolve_target_dir(args.target)
+    target = load_target(directory, dtype, device)
+    tokenizer = load_tokenizer(directory)
+    return target, tokenizer, stop_token_ids(directory, target.cfg, tokenizer), directory
+
+
+def _parse_mix(text: str | None):
+    if not text:
+        return None
+    try:
+        return {k: float(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--mix must look like codeio=0.35,math=0.2,chat=0.2,stdlib=0.25, got {text!r}") from None
+
+
+def _read_prompts_file(path: str):
+    import json
+
+    from .prompts import Prompt
+
+    out = []
+    for i, line in enumerate(Path(path).read_text().splitlines()):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if "ids" in r:
+            out.append(Prompt(r.get("key", f"file/{i}"), r.get("source", "file"), ids=[int(t) for t in r["ids"]]))
+        else:
+            msgs = r.get("messages") or [{"role": "user", "content": r["text"]}]
+            out.append(Prompt(r.get("key", f"file/{i}"), r.get("source", "file"), msgs))
+    return out
+
+
+def cmd_generate_data(args) -> int:
+    from .data import GenerationSettings, generate_data
+    from .prompts import build_prompts
+
+    target, tokenizer, stops, directory = _load_target(args)
+    prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else \
+        build_prompts(args.num_prompts, _parse_mix(args.mix), args.seed)
+    settings = GenerationSettings(args.max_new_tokens, args.batch_size, args.temperature, args.top_p, args.seed,
+                                  args.shard_size, args.max_prompt_tokens)
+    meta = {"target": str(directory), "mix": args.mix or "default", "prompts_file": args.prompts_file}
+    stats = generate_data(target, tokenizer, prompts, args.out, settings, stops, args.heldout, meta,
+                          progress=not args.no_progress, max_minutes=args.max_minutes)
+    rate = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
+    left = f"; {stats['remaining']} shards left: run the same command again" if stats["remaining"] else ""
+    print(f"generate-data: {stats['shards']} shards in {args.out} ({stats['written']} written now, "
+          f"{stats['skipped']} already there){left}; {stats['tokens']} response tokens at {rate:.1f} tok/s")
+    return 0
+
+
+def _train_config(args):
+    from .trainer import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    values["progress"] = not args.no_progress
+    return TrainConfig(**values)
+
+
+def _warn_ignored(args, state: dict, drafter) -> None:
+    """On --resume the run's own settings hold; say so for any that this command line tries to change."""
+    from .trainer import RUNTIME_FIELDS
+
+    saved = dict(state["config"], layers=drafter.cfg.model.num_layers, block_size=drafter.cfg.block_size,
+                 mask_token_id=drafter.cfg.mask_token_id)
+    ignored = [k for k, v in vars(args).items() if k in saved and k not in RUNTIME_FIELDS and v is not None
+               and v != saved[k]]
+    if ignored:
+        print(f"warning: --resume keeps the run's own {', '.join(ignored)} "
+              f"({', '.join(f'{k}={saved[k]}' for k in ignored)}); start a new --out to change them", file=sys.stderr)
+
+
+def cmd_fit(args) -> int:
+    from ..drafter import untrained_drafter
+    from .data import read_sequences
+    from .trainer import CHECKPOINT, Trainer, drafter_from_checkpoint, init_distributed, resume_config
+
+    target, tokenizer, stops, _ = _load_target(args)
+    init_distributed(target.device)
+    cfg = _train_config(args)
+    train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
+    out = Path(args.out)
+    ckpt = out / CHECKPOINT
+    if args.resume:
+        if not ckpt.is_file():
+            raise ConfigError(f"--resume: {ckpt} does not exist (start without --resume)")
+        drafter, state = drafter_from_checkpoint(ckpt, target)
+        _warn_ignored(args, state, drafter)
+        cfg = resume_config(state["config"], cfg)
+    else:
+        if ckpt.is_file():
+            raise ConfigError(f"{out} already holds a run (checkpoint.pt): pass --resume to continue it, or "
+                              "choose another --out")
+        mask = args.mask_token_id if args.mask_token_id is not None else \
+            default_mask_token_id(tokenizer, target.cfg.vocab_size)
+        drafter = untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=cfg.seed, mask_token_id=mask)
+        state = None
+    drafter = drafter.float().requires_grad_(True)  # fp32 master weights (the target may be bf16)
+    trainer = Trainer(cfg, target, drafter, train, out, heldout, tokenizer, stops)
+    if state is not None:
+        trainer.load_state(state)
+    if trainer.rank == 0:
+        print(f"fit: {len(train)} train / {len(heldout)} held-out sequences; {drafter.cfg.model.num_layers} draft "
+              f"layers, block {drafter.cfg.block_size}, taps {list(drafter.cfg.target_layer_ids)}, mask "
+              f"{drafter.cfg.mask_token_id}; step {trainer.step}/{trainer.total_steps}", file=sys.stderr)
+    status = trainer.run()
+    if trainer.rank == 0:
+        print(f"fit: {status} at step {trainer.step}/{trainer.total_steps} ({trainer.label_tokens} label tokens); "
+              f"drafter in {out / 'drafter'}" + ("" if status == "done" else "; continue with --resume"))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .trainer import CHECKPOINT, drafter_from_checkpoint
+
+    path = Path(args.run)
+    path = path / CHECKPOINT if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"no checkpoint at {path}")
+    drafter, state = drafter_from_checkpoint(path)
+    drafter.save(args.out)
+    print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
+          f"{drafter.cfg.block_size}) written to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ddtree train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate-data", help="the target answers the training prompts; writes token-id shards")
+    _target_args(g)
+    g.add_argument("--out", required=True, help="data directory (resumes: finished shards are skipped)")
+    g.add_argument("--num-prompts", type=int, default=2000)
+    g.add_argument("--mix", help="source weights, e.g. codeio=0.35,math=0.2,chat=0.2,stdlib=0.25 (the default)")
+    g.add_argument("--prompts-file", help="JSONL prompts instead: {\"text\"}, {\"messages\"} or {\"ids\"} per line")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--shard-size", type=int, default=128, help="prompts per shard (the unit of resuming)")
+    g.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of prompts (by key hash)")
+    g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    g.add_argument("--max-minutes", type=float, help="stop after the shard that crosses this time (rerun resumes)")
+    g.add_argument("--no-progress", action="store_true")
+
+    f = sub.add_parser("fit", help="train a DFlash drafter on generated data")
+    _target_args(f)
+    f.add_argument("--data", required=True, help="a generate-data directory")
+    f.add_argument("--out", required=True, help="run directory: checkpoint.pt, log.jsonl, drafter/")
+    f.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    f.add_argument("--layers", type=int, choices=range(1, 6), metavar="{1..5}", help="draft layers (default 1)")
+    f.add_argument("--block-size", type=int, help="drafter block size (default 16)")
+    f.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token, else an unused special "
+                   "token (SmolLM2: 16 <empty_output>)")
+    f.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")
+    f.add_argument("--weight-decay", type=float, help="(default 0.01; not on norms)")
+    f.add_argument("--warmup", type=float, help="warmup fraction of all steps (default 0.04)")
+    f.add_argument("--min-lr-ratio", type=float, help="cosine decays to lr * this (default 0)")
+    f.add_argument("--grad-clip", type=float, help="(default 1.0)")
+    f.add_argument("--epochs", type=int, help="(default 6)")
+    f.add_argument("--seqs-per-step", type=int, help="sequences per process per optimizer step (default 4)")
+    f.add_argument("--anchors", type=int, help="anchors per sequence, re-drawn each epoch (default 64)")
+    f.add_argument("--include-prompt-anchors", action="store_true", default=None,
+                   help="also anchor blocks inside the prompt (default: response only, as in decoding)")
+    f.add_argument("--max-seq-len", type=int, help="sequences are cut to this many tokens (default 1024)")
+    f.add_argument("--gamma", type=float, help="loss decay (default: 7 for block 16, 5 for 10, 4 for 8)")
+    f.add_argument("--seed", type=int, help="drafter init, data order and anchors (default 0)")
+    f.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (GPUs, CPUs with AMX)")
+    f.add_argument("--max-minutes", type=float, help="stop cleanly (checkpoint) after this long (default 110)")
+    f.add_argument("--max-steps", type=int, help="stop (checkpoint) at this global step")
+    f.add_argument("--checkpoint-every", type=int, help="steps (default 100)")
+    f.add_argument("--eval-every", type=int, help="steps between evaluations (default 0: at the end only)")
+    f.add_argument("--eval-prompts", type=int, help="held-out prompts decoded for tau (default 4)")
+    f.add_argument("--eval-max-new-tokens", type=int, help="(default 96)")
+    f.add_argument("--eval-ddtree-budget", type=int, help="also measure ddtree tau at this budget (0 = off)")
+    f.add_argument("--val-sequences", type=int, help="held-out sequences for the validation loss (default 16)")
+    f.add_argument("--feature-cache", help="directory caching the target's tap features across epochs")
+    f.add_argument("--no-progress", action="store_true")
+
+    e = sub.add_parser("export", help="write a run's drafter in the published format")
+    e.add_argument("--run", required=True, help="run directory or checkpoint.pt")
+    e.add_argument("--out", required=True, help="drafter directory (config.json + model.safetensors)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    try:
+        return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export}[args.command](args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,163 @@
+"""The drafter's TRAINING forward: many anchored blocks of one sequence in one pass, with their loss.
+
+For a sequence of T tokens with target tap features F [T, taps*H] and anchors a_1..a_A:
+    block j     = [token_{a_j}, MASK x (B-1)] at positions a_j .. a_j+B-1
+    context     = fc + hidden_norm of F, rows 0..T-1 at positions 0..T-1 (NOT input_layernorm'd)
+    visibility  = block j's rows see context rows < a_j and block j's own rows (both ways), nothing else
+    labels      = tokens a_j+1 .. a_j+B-1 (block position k predicts token a_j+k; the anchor has no loss)
+Exactly what DFlashDrafter.add_context(features[:a]) + draft(bonus=token_a) computes, for every block at once.
+
+Attention is computed in two parts instead of one [A*B, T + A*B] masked matrix: block rows against the
+context ([A, B, T], masked by t < a_j) and block rows against their own block ([A, B, B], all visible),
+joined in one softmax. `visibility_mask` builds the equivalent dense mask (used by the tests).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import Visibility
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Weight of block position k = 1..B-1: exp(-(k-1)/gamma). Returns [B-1]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def default_gamma(block_size: int) -> float:
+    """The published decay: 7 for B=16, 5 for B=10, 4 for B=8; in between, linear in B."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 4.0 + (block_size - 8) * 3.0 / 8.0))
+
+
+def sample_anchors(prompt_len: int, seq_len: int, max_anchors: int, generator: torch.Generator,
+                   include_prompt: bool = False) -> torch.Tensor:
+    """Up to max_anchors distinct anchors, sorted. An anchor needs a >= 1 (some context) and a <= T-2 (at
+    least one label); by default it lies in the response (a >= prompt_len), as the bonus token does in
+    decoding. Blocks running past the end are truncated by label masking. Returns LongTensor [A]."""
+    lo = 1 if include_prompt else max(1, prompt_len)
+    hi = seq_len - 2
+    if hi < lo:
+        return torch.empty(0, dtype=torch.long)
+    n = hi - lo + 1
+    pick = torch.randperm(n, generator=generator)[:max_anchors] + lo
+    return pick.sort().values
+
+
+def visibility_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """Dense boolean mask [A*B, T + A*B]: query row (j, i) sees context row t iff t < a_j, and block row
+    (j', i') iff j' == j."""
+    a, b = anchors.numel(), block_size
+    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[:, None]  # [A, T]
+    ctx = ctx.repeat_interleave(b, dim=0)  # [A*B, T]
+    owner = torch.arange(a, device=anchors.device).repeat_interleave(b)  # [A*B]
+    return torch.cat([ctx, owner[:, None] == owner[None, :]], dim=1)
+
+
+def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
+    """tokens [T], anchors [A] -> block tokens [A, B], positions [A, B], labels [A, B-1] (-100 past the end)."""
+    seq_len = tokens.numel()
+    offsets = torch.arange(block_size, device=tokens.device)
+    positions = anchors[:, None] + offsets[None, :]  # [A, B]
+    block = torch.full(positions.shape, mask_token_id, dtype=torch.long, device=tokens.device)
+    block[:, 0] = tokens[anchors]
+    target_pos = positions[:, 1:]
+    labels = tokens[target_pos.clamp(max=seq_len - 1)]
+    labels = labels.masked_fill(target_pos >= seq_len, -100)  # a block running past the end: no label there
+    return block, positions, labels
+
+
+def _attend_split(q, kc, vc, kb, vb, anchors, block_size):
+    """q [Hq, A*B, D]; context kc, vc [Hkv, T, D]; block kb, vb [Hkv, A*B, D]. Returns [Hq, A*B, D]."""
+    hq, n, d = q.shape
+    hkv, seq_len, _ = kc.shape
+    a, b, g = anchors.numel(), block_size, hq // hkv
+    q = q.view(hkv, g, a, b, d)
+    kb, vb = kb.view(hkv, a, b, d), vb.view(hkv, a, b, d)
+    scale = 1.0 / math.sqrt(d)
+    s_ctx = torch.einsum("hgabd,htd->hgabt", q, kc) * scale  # [Hkv, g, A, B, T]
+    visible = torch.arange(seq_len, device=q.device)[None, :] < anchors[:, None]  # [A, T]
+    s_ctx = s_ctx.masked_fill(~visible[:, None, :], float("-inf"))
+    s_blk = torch.einsum("hgabd,hacd->hgabc", q, kb) * scale  # [Hkv, g, A, B, B]
+    p = torch.cat([s_ctx, s_blk], dim=-1).float().softmax(dim=-1).to(q.dtype)
+    out = torch.einsum("hgabt,htd->hgabd", p[..., :seq_len], vc)
+    out = out + torch.einsum("hgabc,hacd->hgabd", p[..., seq_len:], vb)
+    return out.reshape(hq, n, d)
+
+
+def _attend_dense(q, kc, vc, kb, vb, anchors, block_size):
+    """The same attention through SDPA with the dense visibility_mask (the reference for tests)."""
+    hq, n, d = q.shape
+    hkv = kc.shape[0]
+    k, v = torch.cat([kc, kb], dim=1), torch.cat([vc, vb], dim=1)
+    k, v = k.repeat_interleave(hq // hkv, dim=0), v.repeat_interleave(hq // hkv, dim=0)
+    mask = visibility_mask(anchors, kc.shape[1], block_size)
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
+
+
+def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
+                         anchors: torch.Tensor, embed: nn.Module, dense: bool = False) -> torch.Tensor:
+    """features [T, taps*H]; block tokens / positions [A, B]. Returns the final-normed hidden [A, B, H]."""
+    a, b = block.shape
+    seq_len = features.shape[0]
+    ctx = drafter.hidden_norm(drafter.fc(features))  # [T, H]
+    cos_c, sin_c = drafter.rotary(torch.arange(seq_len, device=ctx.device), ctx.dtype)
+    h = embed(block.reshape(-1)).to(ctx.dtype)  # [A*B, H]
+    cos_b, sin_b = drafter.rotary(positions.reshape(-1), h.dtype)
+    attend = _attend_dense if dense else _attend_split
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.query(x, cos_b, sin_b)  # [Hq, A*B, D]
+        kc, vc = attn.key_value(ctx, cos_c, sin_c)  # [Hkv, T, D]
+        kb, vb = attn.key_value(x, cos_b, sin_b)  # [Hkv, A*B, D]
+        h = h + attn.output(attend(q, kc, vc, kb, vb, anchors, b))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h).view(a, b, -1)
+
+
+class DraftLoss(nn.Module):
+    """Wraps the drafter for training (and DistributedDataParallel): forward(one sequence) -> weighted CE.
+    The target's embedding and LM head are used frozen; they are not submodules, so no optimizer sees them."""
+
+    def __init__(self, drafter, target, gamma: float | None = None):
+        super().__init__()
+        self.drafter = drafter
+        self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
+        b = drafter.cfg.block_size
+        self.register_buffer("weights", loss_weights(b, default_gamma(b) if gamma is None else gamma), persistent=False)
+
+    @property
+    def target(self):
+        return self._frozen[0]
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, dense: bool = False):
+        """tokens [T]; features [T, taps*H]; anchors [A]. Returns (loss, stats) with stats = weighted-CE sum,
+        weight sum, correct top-1 count and label count (for logging; tensors, no grad)."""
+        cfg = self.drafter.cfg
+        block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id)
+        features = features.to(self.drafter.fc.weight.dtype)  # a bf16 target may train an fp32 drafter
+        hidden = drafter_block_hidden(self.drafter, features, block, positions, anchors, self.target.model.embed_tokens,
+                                      dense)
+        valid = labels >= 0  # [A, B-1]
+        logits = self.target.logits(hidden[:, 1:][valid].to(self.target.dtype)).float()  # [n_valid, V]
+        ce = F.cross_entropy(logits, labels[valid], reduction="none")
+        w = self.weights[None, :].expand_as(labels)[valid]
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels[valid]).sum()
+        return loss, {"ce_sum": (ce * w).sum().detach(), "w_sum": w.sum(), "correct": correct, "labels": valid.sum()}
+
+
+@torch.no_grad()
+def target_features(target, tokens: torch.Tensor, tap_layers) -> torch.Tensor:
+    """The frozen target's tap features [T, taps*H] for a whole sequence (one causal pass), as an ordinary
+    tensor usable in autograd."""
+    n = tokens.numel()
+    cache = target.new_cache(n)
+    positions = torch.arange(n, device=tokens.device)
+    out = target(tokens, positions, cache, Visibility.causal(0, n, tokens.device), tuple(tap_layers), last_only=True)
+    return out.taps.clone()

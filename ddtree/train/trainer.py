@@ -1,0 +1,341 @@
+"""Training loop: AdamW + warmup/cosine, grad clipping, resumable checkpoints, wall-time limit, tau evaluation
+with the real decoding engine, and multi-process data parallelism (torchrun; gloo on CPU, nccl on CUDA).
+
+Everything that decides the data order is a function of (seed, epoch, step), so a resumed run replays exactly
+the sequences and anchors an uninterrupted one would have seen:
+    epoch order   = randperm(n_train, seed + epoch)
+    step s        = order[s*S*W : (s+1)*S*W], rank r takes its S sequences (S = seqs_per_step, W = world size)
+    anchors       = sample_anchors(..., generator seeded by (seed, epoch, sequence index))
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..drafter import DFlashDrafter, DrafterConfig
+from .data import Sequence
+from .model import DraftLoss, sample_anchors, target_features
+
+CHECKPOINT = "checkpoint.pt"
+RUNTIME_FIELDS = ("checkpoint_every", "max_minutes", "max_steps", "eval_every", "eval_prompts",
+                  "eval_max_new_tokens", "eval_ddtree_budget", "val_sequences", "feature_cache", "progress")
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup: float = 0.04  # fraction of all steps
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    epochs: int = 6
+    seqs_per_step: int = 4  # per process (gradient accumulation)
+    anchors: int = 64  # per sequence, re-drawn every epoch
+    include_prompt_anchors: bool = False
+    max_seq_len: int = 1024
+    gamma: float | None = None  # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8
+    seed: int = 0
+    bf16: bool = False  # autocast; only worth it on GPUs and CPUs with bf16 units
+    # runtime (may change on --resume)
+    checkpoint_every: int = 100
+    max_minutes: float = 110.0
+    max_steps: int | None = None  # stop (with a checkpoint) after this global step
+    eval_every: int = 0  # steps; 0 = only at the end
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 96
+    eval_ddtree_budget: int = 0  # 0 = dflash only
+    val_sequences: int = 16
+    feature_cache: str | None = None
+    progress: bool = True
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def init_distributed(device: torch.device) -> None:
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+class FeatureSource:
+    """Target tap features of a sequence: computed by the frozen target, optionally cached on disk (fp16,
+    or fp32 if a value would overflow fp16) so later epochs skip the target pass."""
+
+    def __init__(self, target, tap_layers, cache_dir: str | None):
+        self.target, self.taps = target, tuple(tap_layers)
+        self.dir = Path(cache_dir) / ("taps_" + "_".join(map(str, self.taps))) if cache_dir else None
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
+        path = None
+        if self.dir is not None:
+            import hashlib
+
+            path = self.dir / (hashlib.sha1(f"{seq.key}:{tokens.tolist()}".encode()).hexdigest()[:20] + ".pt")
+            if path.is_file():
+                return torch.load(path).to(self.target.device, self.target.dtype)
+        feats = target_features(self.target, tokens, self.taps)
+        if path is not None:
+            small = feats.half() if feats.abs().max() < 6e4 else feats.float()
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(small.cpu(), tmp)
+            os.replace(tmp, path)
+            feats = small.to(feats.dtype)  # train on exactly what later epochs will read
+        return feats
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, target, drafter: DFlashDrafter, train: list[Sequence], out_dir,
+                 heldout: list[Sequence] = (), tokenizer=None, stop_ids=(), log=print):
+        self.cfg, self.target, self.drafter = cfg, target, drafter
+        fits = lambda s: s.prompt_len <= cfg.max_seq_len - 2  # noqa: E731 - room for at least one anchor
+        self.train_seqs, self.heldout = [s for s in train if fits(s)], [s for s in heldout if fits(s)]
+        self.tokenizer, self.stop_ids, self.log_fn = tokenizer, tuple(stop_ids), log
+        self.out_dir = Path(out_dir)
+        self.device = target.device
+        self.rank, self.world = _rank_world()
+        if not self.train_seqs:
+            raise ValueError("no training sequences")
+        self.loss_model = DraftLoss(drafter, target, cfg.gamma).to(self.device)
+        self.model = self.loss_model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DistributedDataParallel(self.loss_model, device_ids=ids)
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]  # norms
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.steps_per_epoch = len(self.train_seqs) // (cfg.seqs_per_step * self.world)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{len(self.train_seqs)} training sequences are fewer than one step needs "
+                             f"({cfg.seqs_per_step} per process x {self.world} processes)")
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        warm = max(1, round(cfg.warmup * self.total_steps))
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            t = (step - warm) / max(1, self.total_steps - warm)
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.features = FeatureSource(target, drafter.cfg.target_layer_ids, cfg.feature_cache)
+        self.step, self.label_tokens, self.seq_tokens, self.train_seconds = 0, 0, 0, 0.0
+
+    # --- data position ------------------------------------------------------------------------------------
+    def _step_sequences(self, step: int) -> tuple[int, list[int]]:
+        epoch, s = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(len(self.train_seqs), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        per = self.cfg.seqs_per_step
+        start = (s * self.world + self.rank) * per
+        return epoch, order[start:start + per].tolist()
+
+    def _example(self, seq: Sequence, anchor_seed: int):
+        tokens = torch.tensor(seq.tokens[: self.cfg.max_seq_len], device=self.device)
+        gen = torch.Generator().manual_seed(anchor_seed)
+        anchors = sample_anchors(seq.prompt_len, tokens.numel(), self.cfg.anchors, gen,
+                                 self.cfg.include_prompt_anchors).to(self.device)
+        return tokens, self.features(seq, tokens), anchors
+
+    def _forward(self, tokens, feats, anchors):
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
+            return self.model(tokens, feats, anchors)
+
+    # --- one optimizer step ---------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        t0 = time.perf_counter()
+        self.drafter.train()
+        epoch, indices = self._step_sequences(self.step)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce_sum, w_sum, correct, labels
+        seq_tokens = 0
+        for i, idx in enumerate(indices):
+            seq = self.train_seqs[idx]
+            tokens, feats, anchors = self._example(seq, ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
+            last = i == len(indices) - 1
+            ctx = self.model.no_sync() if self.world > 1 and not last else _null()
+            with ctx:
+                loss, st = self._forward(tokens, feats, anchors)
+                (loss / len(indices)).backward()
+            totals += torch.stack([st["ce_sum"].double(), st["w_sum"].double(), st["correct"].double(),
+                                   st["labels"].double()])
+            seq_tokens += tokens.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        counts = torch.cat([totals, torch.tensor([seq_tokens], dtype=torch.float64, device=self.device)])
+        if self.world > 1:
+            dist.all_reduce(counts)
+        self.step += 1
+        self.label_tokens += int(counts[3])
+        self.seq_tokens += int(counts[4])
+        self.train_seconds += time.perf_counter() - t0
+        return {"kind": "train", "step": self.step, "epoch": epoch, "lr": lr, "loss": float(counts[0] / counts[1]),
+                "acc": float(counts[2] / counts[3]), "grad_norm": float(grad_norm), "label_tokens": self.label_tokens,
+                "seq_tokens": self.seq_tokens, "train_seconds": round(self.train_seconds, 2)}
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out weighted CE / top-1 accuracy (fixed anchors) and tau of real dflash (and ddtree) decoding."""
+        from ..api import Pair
+
+        self.drafter.eval()
+        out = {"kind": "eval", "step": self.step, "label_tokens": self.label_tokens, "seq_tokens": self.seq_tokens,
+               "train_seconds": round(self.train_seconds, 2)}
+        val = self.heldout[: self.cfg.val_sequences]
+        if val:
+            totals = torch.zeros(4, dtype=torch.float64)
+            for i, seq in enumerate(val):
+                _, st = self.loss_model(*self._example(seq, 1_000_003 + i))
+                totals += torch.tensor([float(st[k]) for k in ("ce_sum", "w_sum", "correct", "labels")],
+                                       dtype=torch.float64)
+            out.update(val_loss=float(totals[0] / totals[1]), val_acc=float(totals[2] / totals[3]))
+        prompts = [s.tokens[: s.prompt_len] for s in (self.heldout or self.train_seqs)[: self.cfg.eval_prompts]]
+        if prompts:
+            drafter = self.drafter
+            if drafter.fc.weight.dtype != self.target.dtype:  # decode with a copy in the target's dtype
+                drafter = DFlashDrafter(drafter.cfg, drafter.attention_backend)
+                drafter.load_state_dict(self.drafter.state_dict())
+                drafter = drafter.to(self.target.device, self.target.dtype)
+            pair = Pair(self.target, drafter.bind(self.target), self.tokenizer, self.stop_ids)
+            methods = [("dflash", 0)]
+            if self.cfg.eval_ddtree_budget:
+                methods.append(("ddtree", self.cfg.eval_ddtree_budget))
+            for method, budget in methods:
+                steps = accepted = 0
+                for p in prompts:
+                    stats = pair.generate(p, method=method, budget=budget or 64,
+                                          max_new_tokens=self.cfg.eval_max_new_tokens).stats
+                    steps += stats.steps
+                    accepted += sum(stats.acceptance_lengths)
+                out[f"tau_{method}"] = accepted / max(1, steps)
+        self.drafter.train()
+        return out
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"drafter": self.drafter.state_dict(), "drafter_config": self.drafter.cfg.to_hf(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "label_tokens": self.label_tokens, "seq_tokens": self.seq_tokens,
+                "train_seconds": self.train_seconds, "config": asdict(self.cfg), "num_train": len(self.train_seqs),
+                "world": self.world,
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+
+    def save_checkpoint(self) -> Path:
+        path = self.out_dir / CHECKPOINT
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save(self.state(), tmp)
+            os.replace(tmp, path)
+        return path
+
+    def load_state(self, state: dict) -> None:
+        if state["num_train"] != len(self.train_seqs):
+            raise ValueError(f"the checkpoint was trained on {state['num_train']} sequences, this data has "
+                             f"{len(self.train_seqs)}: resume with the same data directory")
+        if state["world"] != self.world:
+            raise ValueError(f"the checkpoint was written by {state['world']} processes, this run has {self.world}; "
+                             "resume with the same number of processes (the data order depends on it)")
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.label_tokens, self.seq_tokens = state["step"], state["label_tokens"], state["seq_tokens"]
+        self.train_seconds = state.get("train_seconds", 0.0)
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+
+    # --- the loop -----------------------------------------------------------------------------------------
+    def log(self, record: dict) -> None:
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.out_dir / "log.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if record["kind"] == "eval":
+                self.log_fn("eval " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in record.items() if k != "kind"))
+
+    def run(self) -> str:
+        """Train until all epochs are done ("done"), or max_steps / the wall-time limit ("paused", with a
+        checkpoint to --resume from). Either way exports the drafter to out_dir/drafter."""
+        from tqdm import tqdm
+
+        cfg, t0 = self.cfg, time.monotonic()
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", desc="fit",
+                   disable=not cfg.progress or self.rank != 0)
+        status = "done"
+        while self.step < self.total_steps:
+            stop = (cfg.max_steps is not None and self.step >= cfg.max_steps) or \
+                (time.monotonic() - t0) / 60 >= cfg.max_minutes
+            if self.world > 1:  # every process must stop at the same step, or the others hang in all_reduce
+                flag = torch.tensor([float(stop)], device=self.device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                stop = bool(flag.item())
+            if stop:
+                status = "paused"
+                break
+            rec = self.train_step()
+            self.log(rec)
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{rec['acc']:.3f}", lr=f"{rec['lr']:.2e}")
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
+                self._eval_and_log()
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        if status == "done":
+            self._eval_and_log()
+        if self.rank == 0:  # the drafter as of now, in the published format (final when status == "done")
+            self.drafter.save(self.out_dir / "drafter")
+        self.save_checkpoint()
+        if self.world > 1:
+            dist.barrier()
+        return status
+
+    def _eval_and_log(self) -> None:
+        if self.rank == 0 and (self.cfg.eval_prompts or self.cfg.val_sequences):
+            self.log(self.evaluate())
+        if self.world > 1:
+            dist.barrier()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    drafter = DFlashDrafter(DrafterConfig.from_hf(state["drafter_config"]))
+    drafter.load_state_dict(state["drafter"])
+    if target is not None:
+        drafter = drafter.to(target.device, target.dtype).bind(target)
+    return drafter, state
+
+
+def resume_config(saved: dict, overrides: TrainConfig) -> TrainConfig:
+    """The saved training settings, with only the runtime fields taken from this run's settings."""
+    names = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names})
+    return replace(cfg, **{k: getattr(overrides, k) for k in RUNTIME_FIELDS})

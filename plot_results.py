@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Plots for a `python -m ddtree.benchmark` results directory (PNG + PDF into RESULTS/plots/):
+
+    speedup_vs_budget  speedup over AR vs DDTree budget, one panel per dataset x temperature
+                       (DFlash as a dashed horizontal reference, AR at 1)
+    tau_vs_budget      mean accepted tokens per verify pass vs budget (same layout)
+    acceptance_hist    distribution of accepted lengths per step, DFlash and DDTree budgets
+    stage_time         stacked per-stage time per method, ms per generated token
+
+By default only the records of the last benchmark run (RESULTS/last_run.json) are plotted; --all plots every
+record in the directory (mixing configurations is then your responsibility).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed (servers, CI)
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ddtree.benchmark import load_records, summarize  # noqa: E402
+from ddtree.compare import parse_method  # noqa: E402
+from ddtree.stats import STAGES  # noqa: E402
+
+STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
+                    verify="#dd8452", commit="#c44e52")
+
+
+def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
+    records = load_records(results)
+    manifest = results / "last_run.json"
+    env = {}
+    if manifest.is_file():
+        last = json.loads(manifest.read_text())
+        env = last.get("env", {})
+        if not everything:
+            records = {k: records[k] for k in last["keys"] if k in records}
+    recs = list(records.values())
+    if not env and recs:
+        env = recs[-1].get("env", {})
+    return recs, env
+
+
+def method_order(records: list[dict]) -> list[tuple[str, int | None]]:
+    specs = {parse_method(r["method"], 0) for r in records}
+    return sorted(specs, key=lambda s: ({"ar": 0, "dflash": 1}.get(s[0], 2), s[1] or 0))
+
+
+def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height: float = 3.6):
+    datasets = list(dict.fromkeys(d for d, _ in cells))
+    temps = sorted({t for _, t in cells})
+    fig_width = max(6.5, width * len(datasets))  # one panel alone still needs room for the title
+    fig, axes = plt.subplots(len(temps), len(datasets), figsize=(fig_width, height * len(temps) + 0.9),
+                             squeeze=False)
+    # Wrap each title line to the figure width (~9 characters per inch at this font size).
+    lines = [wrapped for line in title.split("\n") for wrapped in textwrap.wrap(line, int(fig_width * 9))]
+    fig.suptitle("\n".join(lines), fontsize=12)
+    panels = {(d, t): axes[temps.index(t)][datasets.index(d)] for d in datasets for t in temps}
+    for (d, t), ax in panels.items():
+        ax.set_title(f"{d}, T = {t:g}", fontsize=11)
+        if (d, t) not in cells:
+            ax.set_visible(False)
+    return fig, panels
+
+
+def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float | None):
+    fig, panels = grid(cells, title)
+    for cell, ax in panels.items():
+        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
+        tree = sorted((r for r in cell_rows if r["method"].startswith("ddtree")), key=lambda r: r["budget"])
+        if tree:
+            ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color="#dd8452", lw=2, label="DDTree")
+            for r in tree:
+                ax.annotate(f"{r[key]:.2f}", (r["budget"], r[key]), textcoords="offset points", xytext=(0, 7),
+                            ha="center", fontsize=8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([r["budget"] for r in tree], [str(r["budget"]) for r in tree])
+            ax.minorticks_off()
+        for r in cell_rows:
+            if r["method"] == "dflash":
+                ax.axhline(r[key], color="#4c72b0", ls="--", lw=1.5, label=f"DFlash ({r[key]:.2f})")
+        if ar_value is not None:
+            ax.axhline(ar_value, color="black", ls=":", lw=1.2, label=f"AR ({ar_value:g})")
+        ax.set_xlabel("DDTree budget (draft nodes per step, log scale)")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(bottom=0, top=max([ax.get_ylim()[1]] + [r[key] * 1.15 for r in cell_rows]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    return fig
+
+
+def acceptance_hist(records, specs, cells, title: str):
+    """Grouped bars (not overlaid histograms): methods with identical distributions stay visible."""
+    fig, panels = grid(cells, title)
+    shown = [s for s in specs if s[0] != "ar"]
+    colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
+    width = 0.8 / max(1, len(shown))
+    for cell, ax in panels.items():
+        recs = [r for r in records if (r["dataset"], r["temperature"]) == cell]
+        longest = max([max(r["acceptance_lengths"], default=1) for r in recs] + [2])
+        for i, ((name, budget), color) in enumerate(zip(shown, colors)):
+            label = f"{name}:{budget}" if budget else name
+            lengths = [a for r in recs if r["method"] == label for a in r["acceptance_lengths"]]
+            if not lengths:
+                continue
+            xs = list(range(1, longest + 1))
+            fractions = [lengths.count(x) / len(lengths) for x in xs]
+            ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], fractions, width=width, color=color,
+                   label=f"{'DDTree ' + str(budget) if budget else 'DFlash'} (tau {sum(lengths) / len(lengths):.2f})")
+        ax.set_xlabel("tokens accepted per verify step (bonus included)")
+        ax.set_ylabel("fraction of steps")
+        ax.set_xticks(range(1, longest + 1, max(1, longest // 12)))
+        ax.set_xlim(0.5, longest + 0.5)
+        ax.set_ylim(0, 1.05)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def stage_bars(rows, cells, title: str):
+    fig, panels = grid(cells, title, width=5.2)
+    for cell, ax in panels.items():
+        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
+        names = [r["method"] for r in cell_rows]
+        bottom = [0.0] * len(cell_rows)
+        for stage in STAGES:
+            values = [r["stage_ms_per_token"].get(stage, 0.0) for r in cell_rows]
+            ax.bar(names, values, bottom=bottom, color=STAGE_COLORS[stage], label=stage)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set_ylabel("time per generated token (ms)")
+        ax.set_xlabel("method")
+        ax.tick_params(axis="x", labelrotation=35, labelsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_ylim(top=max(bottom + [1.0]) * 1.08)
+    handles, labels = next(iter(panels.values())).get_legend_handles_labels()
+    # One legend for the figure, below the panels, so it never covers a bar.
+    fig.legend(handles, labels, loc="lower center", ncols=len(STAGES), fontsize=9,
+               title="stage (stacked bottom to top, left to right here)", title_fontsize=9)
+    fig.legend_margin = 0.6 / fig.get_figheight()  # fraction of the height kept free for that legend
+    return fig
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default="results", help="benchmark results directory (default: %(default)s)")
+    p.add_argument("--out", help="plot directory (default: RESULTS/plots)")
+    p.add_argument("--all", action="store_true", help="plot every record, not only the last run's")
+    args = p.parse_args(argv)
+    results = Path(args.results)
+    records, env = read_results(results, args.all)
+    if not records:
+        print(f"error: no benchmark records in {results} (run `bash run_benchmark.sh --out {results}` first)",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else results / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    specs = method_order(records)
+    rows = summarize(records, specs)
+    cells = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows))
+    drafter = env.get("drafter", "?")
+    where = f"{env.get('target', '')}, {env.get('gpu') or env.get('cpu', '')}, {env.get('dtype', '')}"
+    note = " (random weights: measures overhead, not the method)" if drafter == "untrained" else ""
+    figures = {
+        "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (x, wall time)",
+                                          f"Speedup vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),
+        "tau_vs_budget": budget_curve(rows, cells, "tau", "tau (tokens per target pass)",
+                                      f"Acceptance length vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),
+        "acceptance_hist": acceptance_hist(records, specs, cells,
+                                           f"Accepted length per step - drafter: {drafter}{note}\n{where}"),
+        "stage_time": stage_bars(rows, cells, f"Where the time goes - drafter: {drafter}{note}\n{where}"),
+    }
+    for name, fig in figures.items():
+        fig.tight_layout(rect=(0, getattr(fig, "legend_margin", 0.0), 1, 1))
+        for ext in ("png", "pdf"):
+            fig.savefig(out / f"{name}.{ext}", dpi=120)
+        plt.close(fig)
+        print(out / f"{name}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

