@@ -18,24 +18,10 @@ from pathlib import Path
 
 import torch
 
+from ..hf_baseline import to_hf_model
 from .prompts import Prompt
 
 SHARD_GLOB = "shard_*.jsonl"
-
-
-def hf_model_from_target(target):
-    """A Hugging Face causal LM holding exactly our target's weights (for batched `generate()`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
-    hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype)
-    result = model.load_state_dict(target.state_dict(), strict=False)
-    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
-        raise RuntimeError(f"target weights do not fit a Hugging Face {target.cfg.arch} model: {result}")
-    if target.cfg.tie_word_embeddings:
-        model.tie_weights()
-    return model.to(target.device).eval()
 
 
 def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
@@ -64,7 +50,7 @@ class BatchedGenerator:
     first stop token."""
 
     def __init__(self, target, stop_ids, pad_id: int | None = None):
-        self.model = hf_model_from_target(target)
+        self.model = to_hf_model(target)
         self.device = target.device
         self.stop_ids = list(stop_ids)
         self.pad_id = pad_id if pad_id is not None else (self.stop_ids[0] if self.stop_ids else 0)
