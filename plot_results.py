@@ -48,7 +48,7 @@ def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
 
 def method_order(records: list[dict]) -> list[tuple[str, int | None]]:
     specs = {parse_method(r["method"], 0) for r in records}
-    return sorted(specs, key=lambda s: ({"ar": 0, "dflash": 1}.get(s[0], 2), s[1] or 0))
+    return sorted(specs, key=lambda s: ({"ar": 0, "dflash": 1}.get(s[0], 2), s[1] if isinstance(s[1], int) else 1 << 30))
 
 
 def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height: float = 3.6):
@@ -72,7 +72,8 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
     fig, panels = grid(cells, title)
     for cell, ax in panels.items():
         cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
-        tree = sorted((r for r in cell_rows if r["method"].startswith("ddtree")), key=lambda r: r["budget"])
+        tree = sorted((r for r in cell_rows if r["method"].startswith("ddtree") and r["budget"] != "auto"),
+                      key=lambda r: r["budget"])
         if tree:
             ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color="#dd8452", lw=2, label="DDTree")
             for r in tree:
@@ -84,6 +85,11 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
         for r in cell_rows:
             if r["method"] == "dflash":
                 ax.axhline(r[key], color="#4c72b0", ls="--", lw=1.5, label=f"DFlash ({r[key]:.2f})")
+            if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
+                chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
+                ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
+                           label=f"DDTree auto ({r[key]:.2f}, mean budget {chosen:.0f})")
+                ax.plot([chosen], [r[key]], "*", color="#55a868", ms=13)
         if ar_value is not None:
             ax.axhline(ar_value, color="black", ls=":", lw=1.2, label=f"AR ({ar_value:g})")
         ax.set_xlabel("DDTree budget (draft nodes per step, log scale)")

@@ -62,7 +62,7 @@ class Pair:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def generate(self, prompt, method: str = "ddtree", budget: int = 64, block_size: int | None = None,
+    def generate(self, prompt, method: str = "ddtree", budget: int | str = 64, block_size: int | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
                  seed: int | None = None, chat: bool = True) -> GenerationResult:
         sampling = SamplingParams(temperature, top_p, top_k)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .compare import method_label, parse_method
+from .compare import method_label, parse_budget, parse_method
 from .config import ConfigError
 from .datasets import dataset_name, load_prompts
 from .stats import STAGES
@@ -40,11 +40,11 @@ from .stats import STAGES
 PRESETS = {
     # ~23 min on a 2-core AVX2 CPU with the untrained drafter (tau ~ 1: every step yields one token);
     # a trained drafter makes the speculative runs several times shorter.
-    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", budgets="16,32,64,128,256", num_prompts=2,
+    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", budgets="16,32,64,128,256,auto", num_prompts=2,
                   max_new_tokens=64),
     # The paper-style matrix: greedy and sampled, 20 prompts per set, 256 tokens. CPU: about a day untrained
     # (several hours with a trained drafter); one GPU: well under an hour.
-    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", budgets="16,32,64,128,256", num_prompts=20,
+    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", budgets="16,32,64,128,256,auto", num_prompts=20,
                  max_new_tokens=256),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", budgets="16", num_prompts=2, max_new_tokens=8),
@@ -93,16 +93,17 @@ def _describe(preset: dict) -> str:
     return ", ".join(f"{k.replace('_', '-')}={v}" for k, v in preset.items())
 
 
-def method_specs(methods: str, budgets: str) -> list[tuple[str, int | None]]:
-    """['ar', 'dflash', 'ddtree'] + budgets -> [(name, budget)], ar first, duplicates dropped."""
+def method_specs(methods: str, budgets: str) -> list[tuple[str, int | str | None]]:
+    """['ar', 'dflash', 'ddtree'] + budgets -> [(name, budget)], ar first, duplicates dropped. A budget is an
+    integer or 'auto' (the adaptive budget)."""
     try:
-        budget_list = [int(b) for b in budgets.split(",") if b.strip()]
-    except ValueError:
-        raise ConfigError(f"--budgets must be comma-separated integers, got {budgets!r}") from None
+        budget_list = [parse_budget(b) for b in budgets.split(",") if b.strip()]
+    except ConfigError:
+        raise ConfigError(f"--budgets must be comma-separated integers or 'auto', got {budgets!r}") from None
     specs = [("ar", None)]
     for m in (m.strip() for m in methods.split(",") if m.strip()):
         if m not in ("ar", "dflash", "ddtree") and not m.startswith("ddtree:"):
-            raise ConfigError(f"unknown method {m!r}; use ar, dflash, ddtree or ddtree:N")
+            raise ConfigError(f"unknown method {m!r}; use ar, dflash, ddtree, ddtree:N or ddtree:auto")
         specs += [("ddtree", b) for b in budget_list] if m == "ddtree" else [parse_method(m, 0)]
     return list(dict.fromkeys(specs))
 
@@ -304,6 +305,8 @@ def summarize(records: list[dict], specs) -> list[dict]:
             rows.append(dict(dataset=dataset, temperature=temperature, method=method_label(name, budget),
                              budget=budget, prompts=len(recs), new_tokens=new, seconds=secs,
                              tau=sum(sum(r["acceptance_lengths"]) for r in recs) / max(1, sum(r["steps"] for r in recs)),
+                             mean_nodes=sum(sum(r.get("tree_sizes", [])) for r in recs) /
+                             max(1, sum(r["steps"] for r in recs)),
                              tokens_per_second=new / secs if secs else 0.0,
                              speedup=new / secs / ar_rate if secs and ar_rate else 0.0, stage_ms_per_token=stages,
                              tie_flips=sum(r["check"] == "tie_flip" for r in recs),

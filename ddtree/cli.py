@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from .compare import parse_budget
 from .config import ConfigError
 
 
@@ -18,7 +19,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=int, default=64, help="DDTree draft nodes per step (default: %(default)s)")
+    p.add_argument("--budget", type=parse_budget, default=64,
+                   help="DDTree draft nodes per step, or 'auto' (adaptive, from a start-up cost model; default: %(default)s)")
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -7,17 +7,28 @@ from dataclasses import dataclass, field
 from .config import ConfigError
 
 
-def parse_method(spec: str, default_budget: int) -> tuple[str, int | None]:
-    """'ar', 'dflash', 'ddtree' or 'ddtree:32' -> (name, budget or None)."""
+def parse_method(spec: str, default_budget: int | str) -> tuple[str, int | str | None]:
+    """'ar', 'dflash', 'ddtree', 'ddtree:32' or 'ddtree:auto' -> (name, budget or None)."""
     name, _, budget = spec.partition(":")
     if budget and name != "ddtree":
         raise ConfigError(f"only ddtree takes a budget, got {spec!r}")
     if name == "ddtree":
         try:
-            return name, int(budget) if budget else default_budget
-        except ValueError:
-            raise ConfigError(f"bad budget in {spec!r}; write e.g. ddtree:64") from None
+            return name, parse_budget(budget) if budget else default_budget
+        except ConfigError:
+            raise ConfigError(f"bad budget in {spec!r}; write e.g. ddtree:64 or ddtree:auto") from None
     return name, None
+
+
+def parse_budget(text: str) -> int | str:
+    """'64' -> 64; 'auto' -> 'auto' (the adaptive budget)."""
+    text = str(text).strip()
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"a budget is an integer (draft nodes per step) or 'auto', got {text!r}") from None
 
 
 def method_label(name: str, budget: int | None) -> str:

@@ -18,9 +18,11 @@ from .attention import Visibility, resolve_backend
 from .config import ConfigError, SamplingParams
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
-from .tree import DraftTree, ancestor_matrix, best_first_tree, chain_parents, walk
+from .budget import CostModel, calibrate, choose_budget
+from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk
 
 METHODS = ("ar", "dflash", "ddtree")
+AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
 
 
 class Method:
@@ -72,15 +74,17 @@ class DFlash(Method):
 
 
 class DDTree(Method):
-    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree."""
+    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree. With a cost
+    model (budget="auto") each step keeps only the first b* of them, b* maximizing expected tokens/second."""
     name = "ddtree"
 
-    def __init__(self, budget: int, block_size: int):
+    def __init__(self, budget: int, block_size: int, adaptive: bool = False):
         if not isinstance(budget, int) or budget < 1:
-            raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step), got {budget!r}")
+            raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step) or 'auto', got {budget!r}")
         if block_size < 2:
             raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
-        self.budget, self.block_size = budget, block_size
+        self.budget, self.block_size, self.adaptive = budget, block_size, adaptive
+        self.cost: CostModel | None = None  # set by the Decoder when adaptive
 
     def max_nodes(self) -> int:
         return self.budget + 1
@@ -92,12 +96,17 @@ class DDTree(Method):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
-            parents, depths, tokens = best_first_tree(logits.float().log_softmax(dim=-1), min(self.budget, room - 1))
+            parents, depths, tokens, scores = best_first_nodes(logits.float().log_softmax(dim=-1),
+                                                               min(self.budget, room - 1))
+            if self.cost is not None:  # pop order: any prefix is a tree
+                b = choose_budget(scores, self.cost)
+                parents, depths, tokens = parents[:b + 1], depths[:b + 1], tokens[:b]
             tokens = torch.cat([bonus, torch.tensor(tokens, dtype=torch.long, device=bonus.device)])
             return DraftTree(tokens, parents, depths)
 
 
-def make_method(name: str, budget: int = 64, block_size: int | None = None, drafter=None) -> Method:
+def make_method(name: str, budget: int | str = 64, block_size: int | None = None, drafter=None) -> Method:
+    """budget: draft nodes per step for ddtree, or "auto" (adaptive, up to AUTO_MAX_BUDGET)."""
     if name not in METHODS:
         raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
     if name == "ar":
@@ -105,7 +114,11 @@ def make_method(name: str, budget: int = 64, block_size: int | None = None, draf
     if drafter is None:
         raise ConfigError(f"method {name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
     block_size = drafter.block_size if block_size is None else block_size
-    return DFlash(block_size) if name == "dflash" else DDTree(budget, block_size)
+    if name == "dflash":
+        return DFlash(block_size)
+    if budget == "auto":
+        return DDTree(AUTO_MAX_BUDGET, block_size, adaptive=True)
+    return DDTree(budget, block_size)
 
 
 class Decoder:
@@ -113,6 +126,15 @@ class Decoder:
 
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
+        self._costs: dict[tuple, CostModel] = {}
+
+    def cost_model(self, block_size: int, max_nodes: int) -> CostModel:
+        """The adaptive budget's cost model: measured once per (block size, size range, threads), then reused."""
+        key = (block_size, max_nodes, self.target.attention_backend, torch.get_num_threads())
+        if key not in self._costs:
+            sizes = tuple(n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_nodes) + (max_nodes,)
+            self._costs[key] = calibrate(self.target, self.drafter, sizes=sizes, block_size=block_size)
+        return self._costs[key]
 
     def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
         """The target's choice at every node, then the walk. Tests override this to plant a biased rule."""
@@ -137,6 +159,8 @@ class Decoder:
                  max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
         target, drafter, cfg = self.target, self.drafter, self.target.cfg
         self._validate(prompt_ids, method, max_new_tokens)
+        if getattr(method, "adaptive", False) and method.cost is None:
+            method.cost = self.cost_model(method.block_size, method.max_nodes())
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:
@@ -146,7 +170,8 @@ class Decoder:
         tcache = target.new_cache(capacity)
         dcache = drafter.new_cache(capacity) if method.uses_drafter else None
         taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
-        stats = GenerationStats(method.name, method.budget, method.block_size, m,
+        budget = "auto" if getattr(method, "adaptive", False) else method.budget
+        stats = GenerationStats(method.name, budget, method.block_size, m,
                                 attention_backend=resolve_backend(target.attention_backend, device),
                                 drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
         timer = StageTimer(device)
@@ -182,6 +207,7 @@ class Decoder:
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
             stats.acceptance_lengths.append(n)
+            stats.tree_sizes.append(tree.size)
             # emit the accepted drafts and the bonus token, cut after a stop token or at max_new_tokens
             emitted = [choices[i] for i in path]
             cut = next((j + 1 for j, tok in enumerate(emitted) if tok in stop), len(emitted))

@@ -35,11 +35,12 @@ class StageTimer:
 @dataclass
 class GenerationStats:
     method: str
-    budget: int | None
+    budget: int | str | None  # "auto" for the adaptive budget
     block_size: int | None
     prompt_tokens: int
     new_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step, bonus included
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified per step, root included
     seconds: float = 0.0  # whole generate() call: prefill + decode
     time_to_first_token: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)

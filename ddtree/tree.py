@@ -38,13 +38,20 @@ def best_first_tree(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np
     the first `budget` pops form a tree that maximizes the summed node probability (expected accepted length).
     Returns parents [budget + 1], depths [budget + 1] (root included) and the budget nodes' token ids.
     """
+    parents, depths, tokens, _ = best_first_nodes(logprobs, budget)
+    return parents, depths, tokens
+
+
+def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
+    """`best_first_tree` plus each draft node's path log-probability [budget], in pop order (non-increasing).
+    Any prefix of the pop order is itself a tree: the first b nodes are the best tree of budget b."""
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     max_depth, vocab = logprobs.shape
     k = min(budget, vocab)
     top_lp, top_ids = logprobs.float().topk(k, dim=-1)  # [depth, k] each, ranks in descending order
     lp, ids = top_lp.tolist(), top_ids.tolist()
-    parents, depths, tokens = [-1], [0], []
+    parents, depths, tokens, scores = [-1], [0], [], []
     # heap entries: (-score, parent node, depth index d (block position d + 1), rank r)
     heap = [(-lp[0][0], 0, 0, 0)]
     while heap and len(tokens) < budget:
@@ -53,11 +60,13 @@ def best_first_tree(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np
         parents.append(parent)
         depths.append(d + 1)
         tokens.append(ids[d][r])
+        scores.append(-neg)
         if r + 1 < k:  # next sibling: same parent, next rank at this depth
             heapq.heappush(heap, (neg + lp[d][r] - lp[d][r + 1], parent, d, r + 1))
         if d + 1 < max_depth:  # first child: best rank one level deeper
             heapq.heappush(heap, (neg - lp[d + 1][0], node, d + 1, 0))
-    return np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64), tokens
+    return (np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64), tokens,
+            np.asarray(scores, dtype=np.float64))
 
 
 def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,79 @@
+"""Adaptive DDTree budget: the cost model, the choice rule, the pop-order prefix property, losslessness."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import plant_oracle, run
+from ddtree.budget import CostModel, calibrate, choose_budget
+from ddtree.engine import AUTO_MAX_BUDGET, Decoder, make_method
+from ddtree.tree import best_first_nodes, best_first_tree
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = CostModel((1, 5, 9), (1.0, 2.0, 4.0), fixed_seconds=0.5)
+    assert cost.step_seconds(np.array([1, 3, 5, 7, 9])).tolist() == [1.5, 2.0, 2.5, 3.5, 4.5]
+    assert cost.step_seconds(np.array([13]))[0] == pytest.approx(0.5 + 6.0)  # last slope (0.5 / node) continues
+    with pytest.raises(ValueError, match="increasing"):
+        CostModel((4, 2), (1.0, 2.0), 0.0)
+    with pytest.raises(ValueError, match="one verify time"):
+        CostModel((1, 2), (1.0,), 0.0)
+
+
+def test_choose_budget_by_hand():
+    # fixed 1 s, verify 0.1 s per node (root included): b=1 -> 1.9/1.2, b=2 -> 2.4/1.3 (best), b=3 -> 2.5/1.4
+    cost = CostModel((1, 100), (0.1, 10.0), fixed_seconds=1.0)
+    assert choose_budget(np.log([0.9, 0.5, 0.1]), cost) == 2
+
+
+def test_choose_budget_extremes():
+    scores = np.log(np.linspace(0.9, 0.01, 50))
+    free = CostModel((1, 1000), (1.0, 1.0), fixed_seconds=0.0)
+    assert choose_budget(scores, free) == 50  # verifying more costs nothing: take every node
+    steep = CostModel((1, 2), (1.0, 100.0), fixed_seconds=0.0)
+    assert choose_budget(scores, steep) == 1
+    with pytest.raises(ValueError):
+        choose_budget(np.array([]), free)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pop_order_prefix_is_the_best_smaller_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    logprobs = (torch.randn(7, 50, generator=g) * 3).log_softmax(-1)
+    parents, depths, tokens, scores = best_first_nodes(logprobs, 80)
+    assert np.all(np.diff(scores) <= 1e-9), "pops come in non-increasing score order"
+    for b in (1, 2, 5, 17, 40, 80):
+        p, d, t = best_first_tree(logprobs, b)
+        assert p.tolist() == parents[:b + 1].tolist() and d.tolist() == depths[:b + 1].tolist()
+        assert t == tokens[:b]
+        assert np.all(parents[1:b + 1] < np.arange(1, b + 1)), "every parent precedes its child"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_adaptive_budget_is_lossless_and_adapts(pairs, arch):
+    target, drafter = pairs[arch]
+    cost = CostModel((1, 8, 64, 257), (1.0, 1.2, 3.0, 12.0), fixed_seconds=0.5)  # a CPU-like curve
+    sizes = []
+    for i in range(6):
+        prompt = [(7 * i + j) % 96 for j in range(3 + 5 * i)]
+        reference, _ = run(target, None, prompt, "ar", max_new_tokens=40)
+        plant_oracle(drafter, prompt + reference + [0] * 300, seed=i, top1=0.5 + 0.08 * i)
+        method = make_method("ddtree", "auto", None, drafter)
+        method.cost = cost
+        tokens, stats = Decoder(target, drafter).generate(prompt, method, max_new_tokens=40)
+        assert tokens == reference, f"adaptive ddtree diverged on prompt {i}"
+        assert stats.budget == "auto" and len(stats.tree_sizes) == stats.steps
+        sizes += stats.tree_sizes[:-1]  # the last step may be cut by the remaining room
+    assert max(sizes) <= AUTO_MAX_BUDGET + 1
+    assert len(set(sizes)) > 3, f"the budget should vary with the draft's confidence, got {sorted(set(sizes))}"
+
+
+def test_calibration_on_a_tiny_model(pairs):
+    target, drafter = pairs["llama"]
+    cost = calibrate(target, drafter, context=32, sizes=(1, 4, 16), repeats=1)
+    assert cost.sizes == (1, 4, 16) and all(t > 0 for t in cost.verify_seconds) and cost.fixed_seconds > 0
+    # through the public path: budget="auto" calibrates once per decoder and decodes
+    dec = Decoder(target, drafter)
+    prompt = [1, 2, 3, 4]
+    reference, _ = run(target, None, prompt, "ar", max_new_tokens=12)
+    tokens, stats = dec.generate(prompt, make_method("ddtree", "auto", None, drafter), max_new_tokens=12)
+    assert tokens == reference and stats.budget == "auto" and len(dec._costs) == 1
