@@ -152,13 +152,14 @@ class DFlashDrafter(nn.Module):
         return self.target.logits(self.norm(h[1:]))
 
     # --- the published checkpoint format ---------------------------------------------------------------
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors in the published format; dtype casts the weights (e.g. bf16 to ship)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod

@@ -171,10 +171,12 @@ def cmd_export(args) -> int:
     path = path / CHECKPOINT if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}")
+    from ..loading import parse_dtype
+
     drafter, state = drafter_from_checkpoint(path)
-    drafter.save(args.out)
+    drafter.save(args.out, parse_dtype(args.dtype))
     print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
-          f"{drafter.cfg.block_size}) written to {args.out}")
+          f"{drafter.cfg.block_size}, {args.dtype}) written to {args.out}")
     return 0
 
 
@@ -237,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a run's drafter in the published format")
     e.add_argument("--run", required=True, help="run directory or checkpoint.pt")
     e.add_argument("--out", required=True, help="drafter directory (config.json + model.safetensors)")
+    e.add_argument("--dtype", default="bfloat16", help="weights' dtype on disk (default: %(default)s, as published "
+                   "drafters ship; loading casts to the engine's dtype)")
     return parser
 
 
