@@ -85,6 +85,8 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
         for r in cell_rows:
             if r["method"] == "dflash":
                 ax.axhline(r[key], color="#4c72b0", ls="--", lw=1.5, label=f"DFlash ({r[key]:.2f})")
+            if r["method"] == "hf" and key == "speedup":
+                ax.axhline(r[key], color="#8c8c8c", ls=(0, (1, 1)), lw=1.5, label=f"HF generate() ({r[key]:.2f})")
             if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
                 chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
                 ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
@@ -103,7 +105,7 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
 def acceptance_hist(records, specs, cells, title: str):
     """Grouped bars (not overlaid histograms): methods with identical distributions stay visible."""
     fig, panels = grid(cells, title)
-    shown = [s for s in specs if s[0] != "ar"]
+    shown = [s for s in specs if s[0] not in ("ar", "hf")]
     colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
     width = 0.8 / max(1, len(shown))
     for cell, ax in panels.items():
@@ -131,7 +133,7 @@ def acceptance_hist(records, specs, cells, title: str):
 def stage_bars(rows, cells, title: str):
     fig, panels = grid(cells, title, width=5.2)
     for cell, ax in panels.items():
-        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
+        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell and r["method"] != "hf"]
         names = [r["method"] for r in cell_rows]
         bottom = [0.0] * len(cell_rows)
         for stage in STAGES:

@@ -34,6 +34,7 @@ import torch
 from .compare import method_label, parse_budget, parse_method
 from .config import ConfigError
 from .datasets import dataset_name, load_prompts
+from .hf_baseline import HFBaseline
 from .stats import STAGES
 
 # Presets: values used for options not given on the command line.
@@ -61,7 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", help="comma-separated, e.g. 0,1 (0 = greedy, checked against ar)")
     p.add_argument("--methods", default="ar,dflash,ddtree",
                    help="comma-separated; plain `ddtree` expands to every --budgets value, ddtree:N adds one "
-                        "budget; ar is always run (it is the reference) (default: %(default)s)")
+                        "budget, hf adds Hugging Face generate() on the same weights (greedy runs only); ar is "
+                        "always run (it is the reference) (default: %(default)s)")
     p.add_argument("--budgets", help="DDTree budgets (draft nodes per step) for plain `ddtree`")
     p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int)
@@ -95,15 +97,15 @@ def _describe(preset: dict) -> str:
 
 def method_specs(methods: str, budgets: str) -> list[tuple[str, int | str | None]]:
     """['ar', 'dflash', 'ddtree'] + budgets -> [(name, budget)], ar first, duplicates dropped. A budget is an
-    integer or 'auto' (the adaptive budget)."""
+    integer or 'auto' (the adaptive budget); `hf` is Hugging Face generate() on the same weights (greedy only)."""
     try:
         budget_list = [parse_budget(b) for b in budgets.split(",") if b.strip()]
     except ConfigError:
         raise ConfigError(f"--budgets must be comma-separated integers or 'auto', got {budgets!r}") from None
     specs = [("ar", None)]
     for m in (m.strip() for m in methods.split(",") if m.strip()):
-        if m not in ("ar", "dflash", "ddtree") and not m.startswith("ddtree:"):
-            raise ConfigError(f"unknown method {m!r}; use ar, dflash, ddtree, ddtree:N or ddtree:auto")
+        if m not in ("ar", "hf", "dflash", "ddtree") and not m.startswith("ddtree:"):
+            raise ConfigError(f"unknown method {m!r}; use ar, hf, dflash, ddtree, ddtree:N or ddtree:auto")
         specs += [("ddtree", b) for b in budget_list] if m == "ddtree" else [parse_method(m, 0)]
     return list(dict.fromkeys(specs))
 
@@ -141,10 +143,10 @@ def build_plan(args, pair, specs) -> list[dict]:
         for temperature in parse_floats(args.temperatures, "--temperatures"):
             for index, prompt in enumerate(prompts):
                 prompt_sha = hashlib.sha1(prompt.encode()).hexdigest()[:12]
-                slots = [dict(method=method_label(*s), key=record_key(
+                slots = [dict(method=method_label(*s), name=s[0], budget=s[1], key=record_key(
                     {**base, "dataset": name, "prompt_index": index, "prompt_sha": prompt_sha,
                      "temperature": temperature, "seed": args.seed + index, "method": method_label(*s)}))
-                    for s in specs]
+                    for s in specs if not (s[0] == "hf" and temperature > 0)]  # hf: greedy only
                 groups.append(dict(dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
                                    prompt_sha=prompt_sha, seed=args.seed + index, slots=slots))
     return groups
@@ -163,15 +165,19 @@ def load_records(out: Path) -> dict[str, dict]:
     return records
 
 
-def run_group(pair, group, specs, args, env, sink, progress, inject: list) -> list[dict]:
+def run_group(pair, group, args, env, sink, progress, inject: list, hf) -> list[dict]:
     """Decode one prompt with every method (ar first), check greedy outputs against ar, append records."""
     out, reference = [], None
-    for (name, budget), slot in zip(specs, group["slots"]):
+    for slot in group["slots"]:
+        name, budget = slot["name"], slot["budget"]
         progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
                                  f"{slot['method']}")
-        res = pair.generate(group["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
-                            temperature=group["temperature"], top_p=args.top_p, top_k=args.top_k,
-                            max_new_tokens=args.max_new_tokens, seed=group["seed"])
+        if name == "hf":
+            res = hf.generate(group["prompt"], args.max_new_tokens)
+        else:
+            res = pair.generate(group["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
+                                temperature=group["temperature"], top_p=args.top_p, top_k=args.top_k,
+                                max_new_tokens=args.max_new_tokens, seed=group["seed"])
         tokens = list(res.token_ids)
         rec = dict(key=slot["key"], dataset=group["dataset"], temperature=group["temperature"],
                    prompt_index=group["prompt_index"], prompt_sha=group["prompt_sha"], seed=group["seed"],
@@ -394,16 +400,20 @@ def _main(args) -> int:
     shard = out / ("records.jsonl" if world == 1 else f"records.rank{rank}.jsonl")
     progress = tqdm(total=sum(len(g["slots"]) for g in todo), desc=f"rank {rank}", unit="run", position=rank,
                     disable=args.no_progress, dynamic_ncols=True)
-    if todo:  # warm-up: first-call costs (allocator, lazy init) stay out of the timings
+    hf = HFBaseline(pair)
+    if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's calibration) stay out
         for name, budget in specs:
-            pair.generate(todo[0]["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
-                          max_new_tokens=2)
+            if name == "hf":
+                hf.generate(todo[0]["prompt"], 2)
+            else:
+                pair.generate(todo[0]["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
+                              max_new_tokens=2)
     inject = [True] if args.inject_mismatch else []  # consumed by the first ddtree run
     with open(shard, "a", encoding="utf-8") as sink:
         if sink.tell() and not shard.read_bytes().endswith(b"\n"):
             sink.write("\n")  # a crash cut the last line short: never glue a new record onto it
         for group in todo:
-            recs = run_group(pair, group, specs, args, env, sink, progress, inject)
+            recs = run_group(pair, group, args, env, sink, progress, inject, hf)
             errors += sum(r["check"] == "error" for r in recs)
     progress.close()
     barrier(world)

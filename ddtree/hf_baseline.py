@@ -33,3 +33,24 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, stop_ids=()) 
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+
+
+class HFBaseline:
+    """The `hf` method of the benchmark: greedy HF generate() on the pair's target weights, timed like a method.
+    The copy of the weights is made on first use."""
+
+    def __init__(self, pair):
+        self.pair, self.model = pair, None
+
+    def generate(self, prompt, max_new_tokens: int):
+        from .api import GenerationResult
+        from .stats import GenerationStats
+
+        if self.model is None:
+            self.model = to_hf_model(self.pair.target)
+        ids = self.pair.encode(prompt)
+        tokens, seconds = hf_generate(self.model, ids, max_new_tokens, self.pair.stop_ids)
+        stats = GenerationStats("hf", None, None, len(ids), new_tokens=len(tokens), seconds=seconds,
+                                acceptance_lengths=[1] * max(0, len(tokens) - 1),
+                                stop_reason="eos" if tokens and tokens[-1] in self.pair.stop_ids else "max_new_tokens")
+        return GenerationResult(tokens, self.pair.decode(tokens), stats, ids)

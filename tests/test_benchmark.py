@@ -81,3 +81,21 @@ def test_injected_mismatch_fails(tmp_path):
     assert len(bad) == 1 and bad[0]["method"] == "ddtree:16" and "injected_mismatch_at" in bad[0]
     row = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "| ddtree:16 |" in line)
     assert row.endswith("| 1 |")  # the errors column
+
+
+def test_hf_baseline_and_adaptive_budget_rows(tmp_path):
+    """`hf` (HF generate() on the same weights, greedy only) and `ddtree:auto` run, check and plot like the rest."""
+    proc = run("bash", "run_benchmark.sh", "--tiny", "--datasets", "gsm", "--num-prompts", "1", "--temperatures",
+               "0,1", "--methods", "ar,hf,dflash,ddtree", "--budgets", "16,auto", "--threads", "1", "--no-progress",
+               "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(tmp_path)
+    by = {(r["method"], r["temperature"]): r for r in recs}
+    assert set(by) == {(m, t) for m in ("ar", "dflash", "ddtree:16", "ddtree:auto") for t in (0, 1)} | {("hf", 0)}
+    assert by[("hf", 0)]["check"] in ("identical", "tie_flip") and by[("hf", 0)]["seconds"] > 0
+    auto = by[("ddtree:auto", 0)]
+    assert auto["check"] in ("identical", "tie_flip") and auto["budget"] == "auto"
+    assert len(auto["tree_sizes"]) == auto["steps"] and 1 <= max(auto["tree_sizes"]) <= 257
+    proc = run(sys.executable, "plot_results.py", "--results", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "plots" / "speedup_vs_budget.png").stat().st_size > 5000
