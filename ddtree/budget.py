@@ -91,10 +91,11 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
         anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if n > 1 else None
         vis, pos = Visibility(context, anc), torch.arange(context, context + n, device=device)
         verify.append(timed(lambda: target(ids[context:context + n], pos, cache, vis, taps)))
-    dcache = drafter.new_cache(context + max(sizes))
+    block = block_size or drafter.block_size
+    dcache = drafter.new_cache(context + max(block, max(sizes)))
     drafter.add_context(dcache, out.taps)
     bonus = ids[context:context + 1]
-    draft = timed(lambda: drafter.draft(dcache, bonus, block_size or drafter.block_size))
+    draft = timed(lambda: drafter.draft(dcache, bonus, block))
     # + tree build, compile, walk and commit: a few ms on a CPU, well under a verify pass; 10% of the draft
     # pass stands in for them (the benchmark's stage times show the real split)
     return CostModel(sizes, tuple(verify), draft * 1.1)

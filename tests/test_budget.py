@@ -71,6 +71,7 @@ def test_calibration_on_a_tiny_model(pairs):
     target, drafter = pairs["llama"]
     cost = calibrate(target, drafter, context=32, sizes=(1, 4, 16), repeats=1)
     assert cost.sizes == (1, 4, 16) and all(t > 0 for t in cost.verify_seconds) and cost.fixed_seconds > 0
+    assert calibrate(target, drafter, context=32, sizes=(1,), repeats=1).sizes == (1,)  # block > largest size
     # through the public path: budget="auto" calibrates once per decoder and decodes
     dec = Decoder(target, drafter)
     prompt = [1, 2, 3, 4]
