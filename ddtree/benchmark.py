@@ -320,13 +320,13 @@ def summarize(records: list[dict], specs) -> list[dict]:
     return rows
 
 
-COLUMNS = ["dataset", "T", "method", "prompts", "tau", "tok/s", "speedup"] + [f"{s} ms/tok" for s in STAGES] + \
+COLUMNS = ["dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup"] + [f"{s} ms/tok" for s in STAGES] + \
     ["tie flips", "errors"]
 
 
 def _cells(row: dict) -> list[str]:
     return [row["dataset"], f"{row['temperature']:g}", row["method"], str(row["prompts"]), f"{row['tau']:.2f}",
-            f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x"] + \
+            f"{row.get('mean_nodes', 0.0):.1f}", f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x"] + \
         [f"{row['stage_ms_per_token'][s]:.1f}" for s in STAGES] + [str(row["tie_flips"]), str(row["errors"])]
 
 

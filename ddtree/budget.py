@@ -8,7 +8,10 @@ a step that verifies it costs fixed + verify(b + 1) seconds. So
 
 computed per step from that step's own draft: a confident draft gets a deep narrow tree, a diffuse one a small
 tree (or just the root's best child). Any b is a valid tree, so this stays lossless by construction.
-verify(n) comes from a calibration run of the target at start-up (`calibrate`), cached per process.
+verify(n) comes from a calibration run of the target at start-up (`calibrate`), cached per process. The
+drafter's probabilities are trusted only as far as they have proved right: `EdgeCalibration` scales every
+edge by a factor learned online from accepted vs predicted lengths (a random drafter, confidently wrong,
+is driven to one-node trees within a few steps).
 """
 from __future__ import annotations
 
@@ -48,13 +51,37 @@ class CostModel:
         return self.fixed_seconds + out
 
 
-def choose_budget(path_logprobs: np.ndarray, cost: CostModel) -> int:
-    """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second."""
+def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray | None = None,
+                  edge_scale: float = 1.0) -> int:
+    """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. With depths
+    [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration)."""
     if len(path_logprobs) == 0:
         raise ValueError("no draft nodes to choose from")
-    expected = 1.0 + np.cumsum(np.exp(path_logprobs))  # tokens per step for b = 1..len
+    p = np.exp(path_logprobs)
+    if depths is not None and edge_scale != 1.0:
+        p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
+    expected = 1.0 + np.cumsum(p)  # tokens per step for b = 1..len
     rate = expected / cost.step_seconds(np.arange(2, len(path_logprobs) + 2))
     return int(np.argmax(rate)) + 1
+
+
+@dataclass
+class EdgeCalibration:
+    """How far to trust the drafter's probabilities, learned online: each tree edge's probability is scaled by
+    c in [0.01, 1], so a node at depth d counts p * c**d. A random or over-confident drafter (which predicts
+    long accepted paths that never come) drives c down and the budget with it; a calibrated one keeps c ~ 1.
+    After each step c moves by (accepted + 0.5) / (predicted + 0.5), spread over the predicted path depth."""
+    c: float = 1.0
+
+    def predicted(self, path_logprobs: np.ndarray, depths: np.ndarray) -> float:
+        return float(np.sum(np.exp(path_logprobs) * self.c ** np.asarray(depths, dtype=np.float64)))
+
+    def update(self, path_logprobs: np.ndarray, depths: np.ndarray, accepted: int) -> None:
+        """accepted: draft tokens the target accepted this step (bonus excluded)."""
+        predicted = self.predicted(path_logprobs, depths)
+        mean_depth = max(1.0, predicted)  # the expected path length is about the predicted accepted count
+        ratio = (accepted + 0.5) / (predicted + 0.5)
+        self.c = float(np.clip(self.c * ratio ** (0.5 / mean_depth), 0.01, 1.0))
 
 
 @torch.inference_mode()

@@ -18,7 +18,7 @@ from .attention import Visibility, resolve_backend
 from .config import ConfigError, SamplingParams
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
-from .budget import CostModel, calibrate, choose_budget
+from .budget import CostModel, EdgeCalibration, calibrate, choose_budget
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -37,6 +37,9 @@ class Method:
 
     def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
         raise NotImplementedError
+
+    def observe(self, accepted: int) -> None:
+        """Feedback after each verify: `accepted` draft tokens (bonus excluded). Only adaptive methods use it."""
 
 
 class AR(Method):
@@ -85,6 +88,8 @@ class DDTree(Method):
             raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
         self.budget, self.block_size, self.adaptive = budget, block_size, adaptive
         self.cost: CostModel | None = None  # set by the Decoder when adaptive
+        self.calibration: EdgeCalibration | None = None  # likewise (shared across the decoder's generations)
+        self._last = None  # (path log-probs, depths) of the nodes verified in the current step
 
     def max_nodes(self) -> int:
         return self.budget + 1
@@ -99,10 +104,17 @@ class DDTree(Method):
             parents, depths, tokens, scores = best_first_nodes(logits.float().log_softmax(dim=-1),
                                                                min(self.budget, room - 1))
             if self.cost is not None:  # pop order: any prefix is a tree
-                b = choose_budget(scores, self.cost)
+                scale = self.calibration.c if self.calibration is not None else 1.0
+                b = choose_budget(scores, self.cost, depths[1:], scale)
                 parents, depths, tokens = parents[:b + 1], depths[:b + 1], tokens[:b]
+                self._last = (scores[:b], depths[1:])
             tokens = torch.cat([bonus, torch.tensor(tokens, dtype=torch.long, device=bonus.device)])
             return DraftTree(tokens, parents, depths)
+
+    def observe(self, accepted: int) -> None:
+        if self.calibration is not None and self._last is not None:
+            self.calibration.update(*self._last, accepted)
+            self._last = None
 
 
 def make_method(name: str, budget: int | str = 64, block_size: int | None = None, drafter=None) -> Method:
@@ -127,6 +139,7 @@ class Decoder:
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
         self._costs: dict[tuple, CostModel] = {}
+        self.calibration = EdgeCalibration()  # the adaptive budget's trust in the drafter, kept across prompts
 
     def cost_model(self, block_size: int, max_nodes: int) -> CostModel:
         """The adaptive budget's cost model: measured once per (block size, size range, threads), then reused."""
@@ -159,8 +172,11 @@ class Decoder:
                  max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
         target, drafter, cfg = self.target, self.drafter, self.target.cfg
         self._validate(prompt_ids, method, max_new_tokens)
-        if getattr(method, "adaptive", False) and method.cost is None:
-            method.cost = self.cost_model(method.block_size, method.max_nodes())
+        if getattr(method, "adaptive", False):
+            if method.cost is None:
+                method.cost = self.cost_model(method.block_size, method.max_nodes())
+            if method.calibration is None:
+                method.calibration = self.calibration
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:
@@ -206,6 +222,7 @@ class Decoder:
                 tcache.commit(n, rows)
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
+            method.observe(n - 1)
             stats.acceptance_lengths.append(n)
             stats.tree_sizes.append(tree.size)
             # emit the accepted drafts and the bonus token, cut after a stop token or at max_new_tokens

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.budget import CostModel, calibrate, choose_budget
+from ddtree.budget import CostModel, EdgeCalibration, calibrate, choose_budget
 from ddtree.engine import AUTO_MAX_BUDGET, Decoder, make_method
 from ddtree.tree import best_first_nodes, best_first_tree
 
@@ -78,3 +78,44 @@ def test_calibration_on_a_tiny_model(pairs):
     reference, _ = run(target, None, prompt, "ar", max_new_tokens=12)
     tokens, stats = dec.generate(prompt, make_method("ddtree", "auto", None, drafter), max_new_tokens=12)
     assert tokens == reference and stats.budget == "auto" and len(dec._costs) == 1
+
+
+def test_edge_calibration_learns_distrust_and_keeps_trust():
+    logp, depths = np.log([0.95, 0.9, 0.85, 0.8]), np.array([1, 2, 3, 4])
+    wrong, right = EdgeCalibration(), EdgeCalibration()
+    for _ in range(40):
+        wrong.update(logp, depths, accepted=0)  # predicted ~3.5 accepted, got none
+        right.update(logp, depths, accepted=right_accepted(right, logp, depths))
+    assert wrong.c < 0.2 and right.c > 0.9
+
+
+def right_accepted(cal, logp, depths):
+    return int(round(cal.predicted(logp, depths)))
+
+
+def test_adaptive_budget_shrinks_for_a_confidently_wrong_drafter(pairs):
+    """A drafter that is sure of wrong tokens: the first trees are deep, the calibrated ones tiny; still exact."""
+    import types
+
+    target, drafter = pairs["qwen3"]
+    vocab = drafter.cfg.model.vocab_size
+
+    def draft(self, cache, bonus, length=None):
+        length = length or self.block_size
+        logits = torch.zeros(length - 1, vocab)
+        logits[torch.arange(length - 1), (torch.arange(length - 1) * 7 + cache.length) % vocab] = 30.0
+        return logits
+
+    drafter.draft = types.MethodType(draft, drafter)
+    try:
+        prompt = [3, 1, 4, 1, 5]
+        reference, _ = run(target, None, prompt, "ar", max_new_tokens=40)
+        dec = Decoder(target, drafter)
+        method = make_method("ddtree", "auto", None, drafter)
+        method.cost = CostModel((1, 8, 64, 257), (1.0, 1.2, 3.0, 12.0), fixed_seconds=0.5)
+        tokens, stats = dec.generate(prompt, method, max_new_tokens=40)
+    finally:
+        del drafter.draft
+    assert tokens == reference
+    assert stats.tree_sizes[0] >= 8 and max(stats.tree_sizes[-5:]) <= 3, stats.tree_sizes
+    assert dec.calibration.c < 0.3

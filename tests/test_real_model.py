@@ -60,3 +60,23 @@ def test_compare_and_cli(pair32, capsys):
                  "--dtype", "float32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 6 and out["stats"]["method"] == "ddtree"
+
+
+def test_shipped_drafter_is_the_default_and_is_trained(pair32):
+    """`ddtree.load()` uses the drafter in ddtree/assets (<= 30 MB, published format), and it is a trained one:
+    on prompts like its training data it accepts well above the ~1.0 of a random drafter, losslessly."""
+    from ddtree.loading import SHIPPED_DRAFTER
+
+    weights = SHIPPED_DRAFTER / "model.safetensors"
+    assert weights.is_file() and (SHIPPED_DRAFTER / "config.json").is_file()
+    assert weights.stat().st_size <= 30 * 2**20
+    assert pair32.drafter.label == "shipped"
+    taus = []
+    for prompt in PROMPTS:
+        ref = pair32.generate(prompt, method="ar", max_new_tokens=48)
+        for method, budget in [("dflash", 1), ("ddtree", 32), ("ddtree", "auto")]:
+            res = pair32.generate(prompt, method=method, budget=budget, max_new_tokens=48)
+            assert res.token_ids == ref.token_ids, f"{method}:{budget} diverged on {prompt!r}"
+            assert res.stats.drafter == "shipped"
+            taus.append(res.stats.tau)
+    assert sum(taus) / len(taus) > 1.5, f"the shipped drafter accepts too little: tau {taus}"
