@@ -11,7 +11,8 @@ tree (or just the root's best child). Any b is a valid tree, so this stays lossl
 verify(n) comes from a calibration run of the target at start-up (`calibrate`), cached per process. The
 drafter's probabilities are trusted only as far as they have proved right: `EdgeCalibration` scales every
 edge by a factor learned online from accepted vs predicted lengths (a random drafter, confidently wrong,
-is driven to one-node trees within a few steps).
+is driven to one-node trees within a few steps), and `DraftGate` skips the drafter altogether while
+drafted steps are slower than plain ones.
 """
 from __future__ import annotations
 
@@ -63,6 +64,30 @@ def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray
     expected = 1.0 + np.cumsum(p)  # tokens per step for b = 1..len
     rate = expected / cost.step_seconds(np.arange(2, len(path_logprobs) + 2))
     return int(np.argmax(rate)) + 1
+
+
+@dataclass
+class DraftGate:
+    """Whether drafting pays at all: compares the realized speed of drafted steps (EMA of tokens per modeled
+    second) with plain decoding's 1 / verify(1). While drafting loses, steps skip the drafter (an `ar` step
+    on the same loop) except every `explore_every`-th, which keeps the estimate fresh. With a useless drafter
+    the method runs within a few percent of `ar` instead of several times slower."""
+    explore_every: int = 8
+    alpha: float = 0.2
+    rate: float | None = None  # EMA of tokens / modeled second over drafted steps
+    skipped: int = 0
+
+    def draft_now(self, cost: CostModel) -> bool:
+        ar_rate = 1.0 / float(cost.step_seconds(np.array([1]))[0] - cost.fixed_seconds)
+        if self.rate is None or self.rate >= ar_rate or self.skipped + 1 >= self.explore_every:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def update(self, tokens: int, seconds: float) -> None:
+        r = tokens / seconds
+        self.rate = r if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * r
 
 
 @dataclass

@@ -18,7 +18,7 @@ from .attention import Visibility, resolve_backend
 from .config import ConfigError, SamplingParams
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
-from .budget import CostModel, EdgeCalibration, calibrate, choose_budget
+from .budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -89,6 +89,7 @@ class DDTree(Method):
         self.budget, self.block_size, self.adaptive = budget, block_size, adaptive
         self.cost: CostModel | None = None  # set by the Decoder when adaptive
         self.calibration: EdgeCalibration | None = None  # likewise (shared across the decoder's generations)
+        self.gate: DraftGate | None = None  # likewise
         self._last = None  # (path log-probs, depths) of the nodes verified in the current step
 
     def max_nodes(self) -> int:
@@ -96,8 +97,8 @@ class DDTree(Method):
 
     def propose(self, drafter, dcache, bonus, room, timer):
         length = min(self.block_size, room)
-        if length < 2:
-            return DraftTree(bonus, *chain_parents(1))
+        if length < 2 or (self.gate is not None and not self.gate.draft_now(self.cost)):
+            return DraftTree(bonus, *chain_parents(1))  # a plain step: drafting does not pay (see DraftGate)
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
@@ -112,9 +113,12 @@ class DDTree(Method):
             return DraftTree(tokens, parents, depths)
 
     def observe(self, accepted: int) -> None:
-        if self.calibration is not None and self._last is not None:
-            self.calibration.update(*self._last, accepted)
-            self._last = None
+        if self._last is None:  # a plain step, or not adaptive
+            return
+        logp, depths = self._last
+        self.calibration.update(logp, depths, accepted)
+        self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]))[0]))
+        self._last = None
 
 
 def make_method(name: str, budget: int | str = 64, block_size: int | None = None, drafter=None) -> Method:
@@ -140,6 +144,7 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self._costs: dict[tuple, CostModel] = {}
         self.calibration = EdgeCalibration()  # the adaptive budget's trust in the drafter, kept across prompts
+        self.gate = DraftGate()  # and whether drafting pays at all
 
     def cost_model(self, block_size: int, max_nodes: int) -> CostModel:
         """The adaptive budget's cost model: measured once per (block size, size range, threads), then reused."""
@@ -177,6 +182,8 @@ class Decoder:
                 method.cost = self.cost_model(method.block_size, method.max_nodes())
             if method.calibration is None:
                 method.calibration = self.calibration
+            if method.gate is None:
+                method.gate = self.gate
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:

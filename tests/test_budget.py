@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.budget import CostModel, EdgeCalibration, calibrate, choose_budget
+from ddtree.budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
 from ddtree.engine import AUTO_MAX_BUDGET, Decoder, make_method
 from ddtree.tree import best_first_nodes, best_first_tree
 
@@ -119,3 +119,18 @@ def test_adaptive_budget_shrinks_for_a_confidently_wrong_drafter(pairs):
     assert tokens == reference
     assert stats.tree_sizes[0] >= 8 and max(stats.tree_sizes[-5:]) <= 3, stats.tree_sizes
     assert dec.calibration.c < 0.3
+    # drafting never pays here: most steps skip the drafter (tree = root alone), every 8th explores
+    assert stats.tree_sizes.count(1) >= len(stats.tree_sizes) // 2, stats.tree_sizes
+
+
+def test_draft_gate():
+    cost = CostModel((1, 16), (1.0, 2.0), fixed_seconds=0.5)  # ar: 1 token/s
+    gate = DraftGate(explore_every=4)
+    assert gate.draft_now(cost)  # no estimate yet: draft
+    for _ in range(10):
+        gate.update(tokens=1, seconds=2.5)  # drafted steps yield 0.4 tokens/s
+    decisions = [gate.draft_now(cost) for _ in range(12)]
+    assert decisions == [False, False, False, True] * 3  # skip, exploring every 4th step
+    for _ in range(20):
+        gate.update(tokens=5, seconds=2.5)  # now drafting yields 2 tokens/s
+    assert all(gate.draft_now(cost) for _ in range(5))

@@ -8,7 +8,7 @@ from conftest import plant_oracle, run
 from ddtree.testing import random_pair
 
 BLOCK = 8
-BUDGETS = [1, BLOCK - 1, 16, 64, 256]
+BUDGETS = [1, BLOCK - 1, 16, 64, 256, "auto"]
 N_PROMPTS = 20
 
 
