@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import Visibility
+from .fused_ce import head_cross_entropy
 
 
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -143,13 +144,11 @@ class DraftLoss(nn.Module):
         hidden = drafter_block_hidden(self.drafter, features, block, positions, anchors, self.target.model.embed_tokens,
                                       dense)
         valid = labels >= 0  # [A, B-1]
-        logits = self.target.logits(hidden[:, 1:][valid].to(self.target.dtype)).float()  # [n_valid, V]
-        ce = F.cross_entropy(logits, labels[valid], reduction="none")
+        # the target's (frozen) LM head and the CE in one chunked pass: the [n_valid, V] logits are never kept
+        ce, hit = head_cross_entropy(hidden[:, 1:][valid], self.target.lm_head.weight, labels[valid])
         w = self.weights[None, :].expand_as(labels)[valid]
         loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels[valid]).sum()
-        return loss, {"ce_sum": (ce * w).sum().detach(), "w_sum": w.sum(), "correct": correct, "labels": valid.sum()}
+        return loss, {"ce_sum": (ce * w).sum().detach(), "w_sum": w.sum(), "correct": hit.sum(), "labels": valid.sum()}
 
 
 @torch.no_grad()

@@ -1,0 +1,60 @@
+"""Cross-entropy through a frozen LM head, in row chunks, without keeping the [N, V] logits.
+
+Training the drafter is dominated by its LM head (the target's, 49K x 576 for SmolLM2): the matmul is fast in
+bf16, but the float softmax, its backward and the dtype copies over a [N, V] matrix are memory-bound passes
+that took ~70% of a step. Here each chunk of rows computes logits once in the forward (logsumexp, label
+logit, argmax) and once more in the backward (softmax - onehot, then grad_hidden = dlogits @ W), so only
+[N] values are saved and every pass runs over a cache-sized [chunk, V] block. The head is frozen: no weight
+gradient is formed.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK_ROWS = 256  # [256, 49152] fp32 = 48 MB per block
+# exp() of arguments below about -88 (results that underflow float32) ran ~12x slower on this CPU, and an
+# untrained drafter's logits span hundreds: clamping there first changes each probability by < 2e-35.
+EXP_FLOOR = -80.0
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk):
+        # hidden [N, H] (the head's dtype), weight [V, H], labels [N] -> ce [N] fp32, correct [N] bool
+        n = hidden.shape[0]
+        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk):
+            logits = (hidden[s:s + chunk] @ weight.T).float()  # [c, V]
+            label_logit = logits.gather(1, labels[s:s + chunk, None])[:, 0]
+            top, arg = logits.max(dim=-1)
+            chunk_lse = top + logits.sub_(top[:, None]).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_()
+            lse[s:s + chunk] = chunk_lse
+            ce[s:s + chunk] = chunk_lse - label_logit
+            correct[s:s + chunk] = arg == labels[s:s + chunk]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(correct)
+        return ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_correct):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            e = min(s + ctx.chunk, hidden.shape[0])
+            probs = (hidden[s:e] @ weight.T).float().sub_(lse[s:e, None]).clamp_(min=EXP_FLOOR).exp_()  # softmax [c, V]
+            probs[rows[:e - s], labels[s:e]] -= 1.0  # d ce / d logits = softmax - onehot
+            probs.mul_(grad_ce[s:e, None])
+            grad_hidden[s:e] = probs.to(weight.dtype) @ weight
+        return grad_hidden, None, None, None
+
+
+def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                       chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy of softmax(hidden @ weight.T) at labels, and whether the argmax hits the label.
+    hidden [N, H], weight [V, H] (frozen), labels [N] in [0, V). Returns (ce [N] fp32, correct [N] bool);
+    ce is differentiable with respect to hidden only."""
+    return _HeadCrossEntropy.apply(hidden.to(weight.dtype), weight.detach(), labels, chunk)
