@@ -102,3 +102,65 @@ def test_walk_follows_matching_children():
 def test_walk_single_node():
     tree = DraftTree(torch.tensor([4]), *chain_parents(1))
     assert walk(tree, None, torch.tensor([2])) == ([0], [2])
+
+
+def full_topk_scores(logprobs: torch.Tensor, budget: int) -> list[float]:
+    """Reference: the heap over a full top-k of every depth; returns the chosen paths' scores, sorted."""
+    import heapq
+
+    k = min(budget, logprobs.shape[1])
+    lp = logprobs.float().topk(k, dim=-1).values.tolist()
+    heap, scores = [(-lp[0][0], 0, 0)], []
+    while heap and len(scores) < budget:
+        neg, d, r = heapq.heappop(heap)
+        scores.append(-neg)
+        if r + 1 < k:
+            heapq.heappush(heap, (neg + lp[d][r] - lp[d][r + 1], d, r + 1))
+        if d + 1 < len(lp):
+            heapq.heappush(heap, (neg - lp[d + 1][0], d + 1, 0))
+    return sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("case", ["confident", "flat", "bf16-ties", "one-wide-depth"])
+@pytest.mark.parametrize("budget", [1, 16, 64, 256, 1024])
+def test_lazy_ranks_give_the_full_topk_tree(case, budget):
+    """Reading only the first ranks of each depth (and the rest of a row when the heap gets there) picks trees
+    as good as a full top-k over a 49K vocabulary: the same path scores, a valid tree, no duplicate paths."""
+    from ddtree.tree import FIRST_RANKS, best_first_nodes
+
+    gen = torch.Generator().manual_seed(budget)
+    depth, vocab = 15, 49152
+    logits = torch.randn(depth, vocab, generator=gen)
+    if case == "confident":  # a trained drafter: one likely token per depth, a long tail
+        logits *= 2.5
+        logits[torch.arange(depth), torch.randint(0, vocab, (depth,), generator=gen)] += 12
+    elif case == "flat":  # an untrained drafter
+        logits *= 0.3
+    elif case == "bf16-ties":
+        logits = (logits * 4).bfloat16()
+    else:  # depth 0 falls 0.1 nat per rank: a big tree reads it far past FIRST_RANKS
+        logits[0] = -50.0
+        logits[0, :2000] = -0.1 * torch.arange(2000.0)
+        logits[1:] *= 4
+    lp = logits.float().log_softmax(-1)
+    parents, depths, tokens, scores = best_first_nodes(lp, budget)
+    assert len(tokens) == budget and all(parents[i] < i for i in range(1, budget + 1))
+    assert list(scores) == pytest.approx(full_topk_scores(lp, budget), abs=1e-4)
+    paths = tree_paths(parents, tokens)
+    assert len(set(paths.values())) == budget + 1
+    for i in range(1, budget + 1):  # each score is its path's log-prob
+        assert scores[i - 1] == pytest.approx(sum(float(lp[j, t]) for j, t in enumerate(paths[i])), abs=1e-3)
+    if case == "one-wide-depth" and budget >= 256:  # ranks past the first ones were read
+        assert max(t for t, d in zip(tokens, depths[1:]) if d == 1) >= FIRST_RANKS
+
+
+def test_lazy_ranks_refetch_keeps_the_ranks_already_used():
+    from ddtree.tree import FIRST_RANKS, _Ranks
+
+    lp = torch.zeros(2, 1000)  # all tied: any order is a valid ranking, the refetch may order them differently
+    ranks = _Ranks(lp, k=100)
+    first = list(ranks.ids[0])
+    assert len(first) == FIRST_RANKS and not ranks.complete[0]
+    assert ranks.has(0, FIRST_RANKS) and ranks.complete[0] and ranks.ids[0][:FIRST_RANKS] == first
+    assert len(ranks.ids[0]) == 100 == len(set(ranks.ids[0])) and not ranks.has(0, 100)
+    assert len(ranks.ids[1]) == FIRST_RANKS  # a row the heap never read deeply is never fetched again
