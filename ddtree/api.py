@@ -72,17 +72,19 @@ class Pair:
         return GenerationResult(tokens, self.decode(tokens), stats, ids)
 
     @torch.inference_mode()
-    def logits_after(self, prompt_ids: list[int], generated: list[int]) -> torch.Tensor:
-        """The target's next-token logits [V] after prompt + generated (one plain pass)."""
+    def logits_after(self, prompt_ids: list[int], generated: list[int], every: bool = False) -> torch.Tensor:
+        """The target's next-token logits [V] after prompt + generated (one plain pass); with every=True, the
+        logits [len(generated), V] that predicted each generated token instead."""
         ids = torch.tensor(prompt_ids + generated, device=self.device)
         cache = self.target.new_cache(len(ids))
         out = self.target(ids, torch.arange(len(ids), device=self.device), cache,
-                          Visibility.causal(0, len(ids), self.device), last_only=True)
-        return out.logits[0]
+                          Visibility.causal(0, len(ids), self.device), last_only=not every)
+        return out.logits[len(prompt_ids) - 1:len(ids) - 1] if every else out.logits[0]
 
     def check(self, prompt_ids: list[int], reference: list[int], tokens: list[int]) -> Verdict:
-        """Greedy losslessness verdict of `tokens` against plain decoding's `reference`."""
-        return check_tokens(reference, tokens, lambda i: self.logits_after(prompt_ids, reference[:i]), self.dtype)
+        """Greedy losslessness verdict of `tokens` against plain decoding's `reference` (see checker.py)."""
+        return check_tokens(reference, tokens, lambda i: self.logits_after(prompt_ids, reference[:i]), self.dtype,
+                            lambda: self.logits_after(prompt_ids, tokens, every=True))
 
 
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto") -> Pair:

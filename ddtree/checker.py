@@ -4,6 +4,10 @@ A verify pass computes the same logits as plain decoding only up to floating-poi
 lengths take other kernel paths). At the first position where two greedy outputs differ, the divergence is
 a TIE FLIP when plain decoding's own top-2 logit margin there is within the dtype's rounding noise, and an
 ERROR otherwise. Errors fail; tie flips are counted and reported.
+
+After a tie flip the two outputs continue from different prefixes, so comparing them further means nothing;
+instead every later token of the method must be the target's own greedy choice given the method's own prefix
+(within the same tolerance), checked on one teacher-forced pass. An error after a flip cannot hide behind it.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class Verdict:
     position: int | None = None  # index into the generated tokens of the first divergence
     reference_token: int | None = None
     method_token: int | None = None
-    margin: float | None = None  # plain decoding's top-1 minus top-2 logit at the divergence
+    margin: float | None = None  # top-1 minus top-2 logit at a first divergence; after a flip, top-1 minus the token's
     tolerance: float | None = None
 
     @property
@@ -43,9 +47,11 @@ class Verdict:
 
 
 def check_tokens(reference: list[int], tokens: list[int], logits_at: Callable[[int], torch.Tensor],
-                 dtype: torch.dtype) -> Verdict:
+                 dtype: torch.dtype, own_logits: Callable[[], torch.Tensor] | None = None) -> Verdict:
     """Compare greedy outputs. logits_at(i) returns the target's logits [V] for predicting generated token i
-    given the prompt and reference[:i] (used only when the outputs differ)."""
+    given the prompt and reference[:i] (used only when the outputs differ). own_logits() returns the target's
+    logits [len(tokens), V] for each of the method's tokens given the prompt and the method's own earlier
+    tokens; with it, the tokens after a tie flip are checked too."""
     n = min(len(reference), len(tokens))
     first = next((i for i in range(n) if reference[i] != tokens[i]), None)
     if first is None:
@@ -58,5 +64,17 @@ def check_tokens(reference: list[int], tokens: list[int], logits_at: Callable[[i
     top2 = logits.topk(2).values
     margin = float(top2[0] - top2[1])
     tol = tie_tolerance(dtype, float(top2[0]))
-    kind = "tie_flip" if margin <= tol else "error"
-    return Verdict(kind, first, reference[first], tokens[first], margin, tol)
+    if margin > tol:
+        return Verdict("error", first, reference[first], tokens[first], margin, tol)
+    if own_logits is not None and first + 1 < len(tokens):
+        own = own_logits()[first + 1:len(tokens)].float()  # [rest, V]
+        top = own.max(dim=-1).values
+        chosen = own.gather(1, torch.tensor(tokens[first + 1:], device=own.device)[:, None])[:, 0]
+        shortfall = top - chosen  # 0 where the method took the argmax
+        tols = torch.tensor([tie_tolerance(dtype, float(t)) for t in top], device=own.device)
+        bad = torch.nonzero(shortfall > tols).flatten()
+        if len(bad):  # reference_token: the target's own choice there; margin: how far below it the method's token is
+            i = int(bad[0])
+            return Verdict("error", first + 1 + i, int(own[i].argmax()), tokens[first + 1 + i], float(shortfall[i]),
+                           float(tols[i]))
+    return Verdict("tie_flip", first, reference[first], tokens[first], margin, tol)

@@ -97,6 +97,27 @@ def test_checker_classifies_tie_flips_and_errors():
     assert check_tokens(ref, ref[:3], lambda i: clear, torch.float32).kind == "error"
 
 
+def test_checker_keeps_checking_after_a_tie_flip():
+    """After a tie flip, each later token must be the target's own choice given the method's own prefix: a
+    continuation that follows the target passes, one wrong token after the flip is an error at its place."""
+    ref = [5, 6, 7, 8]
+    near_tie = torch.tensor([0.0, 10.0, 10.0 - 1e-6, 3.0])  # token 1 and 2 tie at the divergence (position 2)
+    method = [5, 6, 2, 3, 1]  # flips to 2 at position 2, then goes its own way
+
+    def own(choices):  # the target's logits for each of the method's tokens given its own prefix
+        rows = torch.zeros(len(method), 10)
+        rows[torch.arange(len(method)), torch.tensor(choices)] = 9.0
+        return lambda: rows
+
+    v = check_tokens(ref, method, lambda i: near_tie, torch.float32, own([5, 6, 2, 3, 1]))
+    assert v.kind == "tie_flip" and v.position == 2
+    v = check_tokens(ref, method, lambda i: near_tie, torch.float32, own([5, 6, 2, 3, 4]))
+    assert v.kind == "error" and v.position == 4 and v.reference_token == 4 and v.method_token == 1
+    assert v.margin == pytest.approx(9.0)
+    # without the method's own logits only the first divergence can be judged
+    assert check_tokens(ref, method, lambda i: near_tie, torch.float32).kind == "tie_flip"
+
+
 def test_cli_reports_config_errors(capsys):
     from ddtree.cli import main
 
