@@ -10,6 +10,7 @@ from ddtree.api import Pair
 from ddtree.drafter import DFlashDrafter, untrained_drafter
 from ddtree.testing import random_pair, random_target
 from ddtree.train.data import GenerationSettings, generate_data, read_sequences
+from ddtree.train.fused_ce import head_cross_entropy
 from ddtree.train.model import (block_inputs, default_gamma, drafter_block_hidden, loss_weights,
                                 sample_anchors, target_features, visibility_mask)
 from ddtree.train.prompts import Prompt
@@ -80,6 +81,31 @@ def test_anchors_labels_and_weights():
     w = loss_weights(16, default_gamma(16))
     assert w[0] == 1.0 and torch.isclose(w[7], torch.exp(torch.tensor(-1.0))) and default_gamma(8) == 4.0
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spread", [1.0, 60.0], ids=["trained-like", "untrained-wide-logits"])
+def test_head_cross_entropy_matches_unfused(dtype, spread):
+    """The chunked LM-head CE gives F.cross_entropy's values, top-1 hits and input gradient, across chunk
+    boundaries (chunk 7 does not divide 50 rows), also when logits span hundreds (the exp floor)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(300, 16, generator=gen) * spread / 4).to(dtype)
+    hidden = torch.randn(50, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 300, (50,), generator=gen)
+    labels[:5] = ((hidden[:5].detach().to(dtype) @ weight.T).float().argmax(-1))  # some rows hit
+    row_w = torch.rand(50, generator=gen)
+    ce, hit = head_cross_entropy(hidden, weight, labels, chunk=7)
+    (ce * row_w).sum().backward()
+    fused_grad, hidden.grad = hidden.grad.clone(), None
+    logits = (hidden.to(dtype) @ weight.T).float()
+    ref = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    (ref * row_w).sum().backward()
+    assert ce.dtype == torch.float32 and hit.dtype == torch.bool
+    torch.testing.assert_close(ce, ref.detach(), rtol=1e-5, atol=1e-4)
+    assert hit.tolist() == (logits.argmax(-1) == labels).tolist() and hit[:5].all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the softmax is rounded to bf16 before @ weight
+    torch.testing.assert_close(fused_grad, hidden.grad, rtol=tol, atol=tol * fused_grad.abs().max().item())
+    assert fused_grad.abs().max() > 1e-3
 
 # --- prompts ---------------------------------------------------------------------------------------------------
 def test_prompt_mix_is_deterministic_and_disjoint_from_evaluation():
@@ -231,9 +257,23 @@ def test_cli_generate_fit_resume_export(tmp_path):
     assert main(fit + ["--resume"]) == 0
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     assert state["step"] == state["config"]["epochs"] * (len(read_sequences(data)) // 2)
-    assert main(["export", "--run", str(run), "--out", str(tmp_path / "exported")]) == 0
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "exported"), "--data", str(data)]) == 0
     drafter = DFlashDrafter.load(tmp_path / "exported")
     assert drafter.cfg.model.num_layers == 2 and drafter.cfg.block_size == 4 and drafter.cfg.mask_token_id == 95
+    card = (tmp_path / "exported" / "README.md").read_text()  # the model card, read from the run and its data
+    n_seqs = len(read_sequences(data, split=None))
+    assert f"{state['step']} optimizer steps" in card and f"{n_seqs} prompts answered by the target" in card
+    evals = [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
+    assert evals and f"| {evals[-1]['step']} | {evals[-1]['label_tokens']} |" in card
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "x"), "--data", str(tmp_path / "nope")]) == 2
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+    # go on from the exported weights at another block size; the layer count comes with the weights
+    init = ["fit", *common, "--data", str(data), "--init-from", str(tmp_path / "exported"), "--block-size", "6",
+            "--epochs", "1", "--seqs-per-step", "2", "--anchors", "8", "--max-steps", "1", "--eval-prompts", "0"]
+    assert main(init + ["--out", str(tmp_path / "run6"), "--layers", "3"]) == 2
+    assert main(init + ["--out", str(tmp_path / "run6")]) == 0
+    tuned = DFlashDrafter.load(tmp_path / "run6" / "drafter")
+    assert tuned.cfg.block_size == 6 and tuned.cfg.model.num_layers == 2 and tuned.cfg.mask_token_id == 95
 
 
 def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):

@@ -124,8 +124,28 @@ def _warn_ignored(args, state: dict, drafter) -> None:
               f"({', '.join(f'{k}={saved[k]}' for k in ignored)}); start a new --out to change them", file=sys.stderr)
 
 
+def _initial_drafter(args, target, tokenizer, seed: int):
+    """A seeded random drafter, or (--init-from) an existing drafter's weights to go on from, e.g. at another
+    block size: the weights do not depend on it."""
+    from dataclasses import replace
+
+    from ..drafter import DFlashDrafter, untrained_drafter
+
+    if args.init_from is None:
+        mask = args.mask_token_id if args.mask_token_id is not None else \
+            default_mask_token_id(tokenizer, target.cfg.vocab_size)
+        return untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask)
+    drafter = DFlashDrafter.load(args.init_from, target.dtype, target.device)
+    own = {"layers": drafter.cfg.model.num_layers, "mask_token_id": drafter.cfg.mask_token_id}
+    clash = [k for k in own if getattr(args, k) is not None and getattr(args, k) != own[k]]
+    if clash:
+        raise ConfigError(f"--init-from {args.init_from} fixes {', '.join(clash)}: drop those options")
+    if args.block_size:
+        drafter.cfg = replace(drafter.cfg, block_size=args.block_size)
+    return drafter.bind(target)
+
+
 def cmd_fit(args) -> int:
-    from ..drafter import untrained_drafter
     from .data import read_sequences
     from .trainer import CHECKPOINT, Trainer, drafter_from_checkpoint, init_distributed, resume_config
 
@@ -145,9 +165,7 @@ def cmd_fit(args) -> int:
         if ckpt.is_file():
             raise ConfigError(f"{out} already holds a run (checkpoint.pt): pass --resume to continue it, or "
                               "choose another --out")
-        mask = args.mask_token_id if args.mask_token_id is not None else \
-            default_mask_token_id(tokenizer, target.cfg.vocab_size)
-        drafter = untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=cfg.seed, mask_token_id=mask)
+        drafter = _initial_drafter(args, target, tokenizer, cfg.seed)
         state = None
     drafter = drafter.float().requires_grad_(True)  # fp32 master weights (the target may be bf16)
     trainer = Trainer(cfg, target, drafter, train, out, heldout, tokenizer, stops)
@@ -173,8 +191,15 @@ def cmd_export(args) -> int:
         raise ConfigError(f"no checkpoint at {path}")
     from ..loading import parse_dtype
 
+    if args.data is not None and not Path(args.data).is_dir():
+        raise ConfigError(f"--data {args.data} is not a directory")
     drafter, state = drafter_from_checkpoint(path)
     drafter.save(args.out, parse_dtype(args.dtype))
+    from .card import model_card
+
+    name = args.name or Path(args.out).name
+    (Path(args.out) / "README.md").write_text(model_card(state, path.parent, args.data and Path(args.data), args.dtype,
+                                                         name))
     print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
           f"{drafter.cfg.block_size}, {args.dtype}) written to {args.out}")
     return 0
@@ -209,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     f.add_argument("--layers", type=int, choices=range(1, 6), metavar="{1..5}", help="draft layers (default 1)")
     f.add_argument("--block-size", type=int, help="drafter block size (default 16)")
+    f.add_argument("--init-from", help="start from this drafter's weights (published format directory) instead of "
+                   "a random init; --block-size may differ from its own")
     f.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token, else an unused special "
                    "token (SmolLM2: 16 <empty_output>)")
     f.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")
@@ -241,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="drafter directory (config.json + model.safetensors)")
     e.add_argument("--dtype", default="bfloat16", help="weights' dtype on disk (default: %(default)s, as published "
                    "drafters ship; loading casts to the engine's dtype)")
+    e.add_argument("--data", help="the run's generate-data directory: the model card (README.md) then lists it")
+    e.add_argument("--name", help="title of the model card (default: the --out directory's name)")
     return parser
 
 

