@@ -63,20 +63,32 @@ def test_compare_and_cli(pair32, capsys):
 
 
 def test_shipped_drafter_is_the_default_and_is_trained(pair32):
-    """`ddtree.load()` uses the drafter in ddtree/assets (<= 30 MB, published format), and it is a trained one:
-    on prompts like its training data it accepts well above the ~1.0 of a random drafter, losslessly."""
+    """`ddtree.load()` uses the drafter in ddtree/assets (<= 30 MB, published format), losslessly, and it is a
+    trained one: on the same prompts it accepts clearly more than a random drafter (tau ~ 1.0). Its model card
+    gives held-out tau 1.42 (dflash) and 2.06 (ddtree at 32); the bounds here sit below that, above random."""
+    from ddtree.api import Pair
+    from ddtree.drafter import untrained_drafter
     from ddtree.loading import SHIPPED_DRAFTER
 
     weights = SHIPPED_DRAFTER / "model.safetensors"
     assert weights.is_file() and (SHIPPED_DRAFTER / "config.json").is_file()
     assert weights.stat().st_size <= 30 * 2**20
     assert pair32.drafter.label == "shipped"
-    taus = []
+    random_pair = Pair(pair32.target, untrained_drafter(pair32.target, 2, pair32.drafter.block_size),
+                       pair32.tokenizer, pair32.stop_ids)
+    taus = {}
     for prompt in PROMPTS:
         ref = pair32.generate(prompt, method="ar", max_new_tokens=48)
         for method, budget in [("dflash", 1), ("ddtree", 32), ("ddtree", "auto")]:
             res = pair32.generate(prompt, method=method, budget=budget, max_new_tokens=48)
             assert res.token_ids == ref.token_ids, f"{method}:{budget} diverged on {prompt!r}"
             assert res.stats.drafter == "shipped"
-            taus.append(res.stats.tau)
-    assert sum(taus) / len(taus) > 1.5, f"the shipped drafter accepts too little: tau {taus}"
+            taus.setdefault((method, budget), []).append(res.stats.tau)
+            if budget != "auto":  # auto may skip drafting while it does not pay: its tau is not the point
+                rand = random_pair.generate(prompt, method=method, budget=budget, max_new_tokens=48)
+                assert rand.token_ids == ref.token_ids
+                taus.setdefault((method, budget, "random"), []).append(rand.stats.tau)
+    mean = {k: sum(v) / len(v) for k, v in taus.items()}
+    assert mean[("ddtree", 32)] > 1.5 and mean[("dflash", 1)] > 1.15, f"the shipped drafter accepts too little: {mean}"
+    assert mean[("ddtree", 32)] > mean[("ddtree", 32, "random")] + 0.3, mean
+    assert mean[("dflash", 1)] > mean[("dflash", 1, "random")] + 0.1, mean
