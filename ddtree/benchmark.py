@@ -39,16 +39,16 @@ from .stats import STAGES
 
 # Presets: values used for options not given on the command line.
 PRESETS = {
-    # ~23 min on a 2-core AVX2 CPU with the untrained drafter (tau ~ 1: every step yields one token);
-    # a trained drafter makes the speculative runs several times shorter.
-    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", budgets="16,32,64,128,256,auto", num_prompts=2,
-                  max_new_tokens=64),
-    # The paper-style matrix: greedy and sampled, 20 prompts per set, 256 tokens. CPU: about a day untrained
-    # (several hours with a trained drafter); one GPU: well under an hour.
-    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", budgets="16,32,64,128,256,auto", num_prompts=20,
-                 max_new_tokens=256),
+    # Greedy and sampled, every budget, Hugging Face generate() beside ar. The 2-core AMX Xeon ran 2 prompts x
+    # 64 tokens at T=0 in 2.5 min with the shipped drafter; this preset took 22 min (T>0 verify passes cost more).
+    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
+                  budgets="16,32,64,128,256,auto", num_prompts=4, max_new_tokens=96),
+    # The paper-style matrix: 20 prompts per set, 256 tokens: a few hours on that CPU, minutes on one GPU.
+    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
+                 budgets="16,32,64,128,256,auto", num_prompts=20, max_new_tokens=256),
     # For tests: a couple of minutes including model loading.
-    "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", budgets="16", num_prompts=2, max_new_tokens=8),
+    "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
+                 num_prompts=2, max_new_tokens=8),
 }
 
 
@@ -60,10 +60,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     preset.add_argument("--tiny", action="store_true", help="smoke test: " + _describe(PRESETS["tiny"]))
     p.add_argument("--datasets", help="comma-separated: humaneval, mt-bench, gsm or JSONL paths")
     p.add_argument("--temperatures", help="comma-separated, e.g. 0,1 (0 = greedy, checked against ar)")
-    p.add_argument("--methods", default="ar,dflash,ddtree",
+    p.add_argument("--methods",
                    help="comma-separated; plain `ddtree` expands to every --budgets value, ddtree:N adds one "
                         "budget, hf adds Hugging Face generate() on the same weights (greedy runs only); ar is "
-                        "always run (it is the reference) (default: %(default)s)")
+                        "always run (it is the reference) (default: ar,hf,dflash,ddtree)")
     p.add_argument("--budgets", help="DDTree budgets (draft nodes per step) for plain `ddtree`")
     p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=int)
@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
     p.add_argument("--threads", type=int,
-                   help="torch CPU threads per process (default: cores / processes, or 1 if that is <= 2)")
+                   help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     # Self-test of the lossless checker: corrupt one ddtree output token before checking it, so a test can
@@ -212,11 +212,10 @@ def shout_error(rec: dict) -> None:
 
 
 def default_threads(world: int) -> int:
-    """Cores per process, but 1 when that is 2 or fewer. Measured on a 2-core EPYC with SmolLM2-135M: two
-    threads gain under 5% on an idle machine and run 4-5x SLOWER when any other process shares the cores
-    (OpenMP threads spin waiting for each other), which would wreck timings and the quick run's time budget."""
-    per_process = max(1, (os.cpu_count() or 1) // world)
-    return 1 if per_process <= 2 else per_process
+    """Cores per process. On the 2-core AMX Xeon (SmolLM2-135M, bf16) two threads made a plain decoding step
+    1.6x faster than one (35.9 vs 56.7 ms); but threads contending with another busy process run several times
+    slower (OpenMP spin-waits), so pass --threads 1 on a shared machine."""
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 def init_distributed(args) -> tuple[int, int]:

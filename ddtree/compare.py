@@ -74,8 +74,8 @@ def compare(pair, prompts, methods=("ar", "dflash", "ddtree"), budget: int = 64,
         reference = None
         for name, b in specs:
             res = pair.generate(prompt, method=name, budget=b or budget, seed=seed + p_index, **kwargs)
-            rec = {"prompt_index": p_index, "method": method_label(name, b), **res.stats.as_dict(),
-                   "check": "skipped (T > 0)" if temperature > 0 else "identical"}
+            rec = {**res.stats.as_dict(), "prompt_index": p_index, "method": method_label(name, b),  # the label,
+                   "check": "skipped (T > 0)" if temperature > 0 else "identical"}  # not the stats' bare name
             if name == "ar":
                 reference = res
             elif temperature == 0:

@@ -51,8 +51,10 @@ def test_compare_and_cli(pair32, capsys):
     import ddtree
     from ddtree.cli import main
 
-    result = ddtree.compare(pair32, PROMPTS[:2], methods=["ar", "dflash", "ddtree:16"], max_new_tokens=12)
-    assert result.ok and [r["method"] for r in result.rows] == ["ar", "dflash", "ddtree:16"]
+    result = ddtree.compare(pair32, PROMPTS[:2], methods=["ar", "dflash", "ddtree:16", "ddtree:64"], max_new_tokens=12)
+    assert result.ok and [r["method"] for r in result.rows] == ["ar", "dflash", "ddtree:16", "ddtree:64"]
+    assert [sum(r["method"] == m for r in result.records) for m in ("ar", "dflash", "ddtree:16", "ddtree:64")] == [2] * 4
+    assert all(r["tau"] >= 1.0 and r["tokens_per_second"] > 0 for r in result.rows)  # every row has its records
     assert result.rows[0]["speedup"] == pytest.approx(1.0) and result.rows[0]["tau"] == pytest.approx(1.0)
     assert all(r["check"] == "identical" for r in result.records if r["method"] != "ar")
     assert "| ddtree:16 |" in capsys.readouterr().out
