@@ -19,7 +19,7 @@ from .config import ConfigError, SamplingParams
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
 from .budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
-from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk
+from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
 
 METHODS = ("ar", "dflash", "ddtree")
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
@@ -155,8 +155,12 @@ class Decoder:
         return self._costs[key]
 
     def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
-        """The target's choice at every node, then the walk. Tests override this to plant a biased rule."""
-        return walk(tree, ancestors, choose(logits, sampling, generator))
+        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, only at the
+        nodes the walk visits (processing a 49K-token distribution costs ~1 ms per node on a CPU). Tests
+        override this to plant a biased rule."""
+        if sampling.greedy:
+            return walk(tree, ancestors, choose(logits, sampling, generator))
+        return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
     def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int) -> None:
         cfg = self.target.cfg

@@ -134,3 +134,23 @@ def walk(tree: DraftTree, ancestors: torch.Tensor | None, choices: torch.Tensor)
     while path[-1] != 0:
         path.append(int(tree.parents[path[-1]]))
     return path[::-1], host[1:]
+
+
+def walk_drawn(tree: DraftTree, draw) -> tuple[list[int], list[int]]:
+    """The walk at T > 0, drawing the target's token only where the walk looks: draw(i) samples node i's
+    choice (an int). Start at the root; while a child carries the drawn token, move there and draw again.
+    Each choice is an independent draw from that node's distribution, exactly as when every node is drawn up
+    front (the walk never reads the others), at the cost of at most depth + 1 draws instead of N.
+    Returns the path (root first) and choices [N] with -1 at nodes never visited."""
+    tokens = tree.tokens.tolist()
+    children: dict[tuple[int, int], int] = {(int(p), tokens[i]): i for i, p in enumerate(tree.parents) if p >= 0}
+    choices = [-1] * tree.size
+    path = [0]
+    while True:
+        node = path[-1]
+        choices[node] = draw(node)
+        child = children.get((node, choices[node]))
+        if child is None:
+            return path, choices
+        path.append(child)
+

@@ -164,3 +164,20 @@ def test_lazy_ranks_refetch_keeps_the_ranks_already_used():
     assert ranks.has(0, FIRST_RANKS) and ranks.complete[0] and ranks.ids[0][:FIRST_RANKS] == first
     assert len(ranks.ids[0]) == 100 == len(set(ranks.ids[0])) and not ranks.has(0, 100)
     assert len(ranks.ids[1]) == FIRST_RANKS  # a row the heap never read deeply is never fetched again
+
+
+def test_walk_drawn_visits_only_the_path_and_agrees_with_walk():
+    """At T > 0 the walk draws the target's choice only where it looks; given the same choices it takes the
+    same path and emits the same tokens as the walk over all nodes."""
+    from ddtree.tree import walk_drawn
+
+    tree, anc = make_tree([-1, 0, 0, 1, 2], [5, 7, 8, 9, 3])
+    for choices in ([8, 0, 3, 0, 6], [1, 9, 3, 0, 0], [7, 1, 3, 0, 0], [7, 9, 0, 4, 0]):
+        asked = []
+        path, drawn = walk_drawn(tree, lambda i: asked.append(i) or choices[i])
+        ref_path, ref_choices = walk(tree, anc, torch.tensor(choices))
+        assert path == ref_path and asked == path  # one draw per visited node, in walk order
+        assert [drawn[i] for i in path] == [ref_choices[i] for i in path]
+        assert all(drawn[i] == -1 for i in range(tree.size) if i not in path)
+    single = DraftTree(torch.tensor([4]), *chain_parents(1))
+    assert walk_drawn(single, lambda i: 2) == ([0], [2])
