@@ -40,7 +40,8 @@ from .stats import STAGES
 # Presets: values used for options not given on the command line.
 PRESETS = {
     # Greedy and sampled, every budget, Hugging Face generate() beside ar. The 2-core AMX Xeon ran 2 prompts x
-    # 64 tokens at T=0 in 2.5 min with the shipped drafter; this preset took 22 min (T>0 verify passes cost more).
+    # 64 tokens at T=0 in 2.5 min with the shipped drafter; this preset took 22 min, measured before T>0 draws
+    # were limited to the walk (which shortens its T=1 half).
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
                   budgets="16,32,64,128,256,auto", num_prompts=4, max_new_tokens=96),
     # The paper-style matrix: 20 prompts per set, 256 tokens: a few hours on that CPU, minutes on one GPU.
