@@ -22,9 +22,9 @@ def _data_section(data_dir: Path) -> list[str]:
     seqs = read_sequences(data_dir, split=None)
     meta_path = data_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    by_source = Counter(s.source for s in seqs)
-    tokens = Counter()
+    by_source, tokens = Counter(), Counter()  # prompts and response tokens per source
     for s in seqs:
+        by_source[s.source] += 1
         tokens[s.source] += len(s.tokens) - s.prompt_len
     lines = ["## Training data", "",
              f"{len(seqs)} prompts answered by the target itself ({sum(tokens.values())} response tokens; "
@@ -44,6 +44,7 @@ def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: 
     layers, block = hf["num_hidden_layers"], hf["block_size"]
     dflash = hf["dflash_config"]
     hours = state.get("train_seconds", 0.0) / 3600
+    world = state.get("world", 1)
     lines = [f"# {name}", "",
              f"A DFlash block-diffusion drafter ({layers} layer{'s' * (layers > 1)}, block {block}, hidden "
              f"{hf['hidden_size']}) for a {hf['num_target_layers']}-layer target, trained with `python -m ddtree train`. "
@@ -52,7 +53,7 @@ def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: 
              f"{dflash['target_layer_ids']}, mask token id {dflash['mask_token_id']}.", "",
              "## Training", "",
              f"{state['step']} optimizer steps ({cfg['seqs_per_step']} sequences x {cfg['anchors']} random anchors "
-             f"per step and process, {state.get('world', 1)} process{'es' * (state.get('world', 1) > 1)}), {state['label_tokens']} label tokens "
+             f"per step and process, {world} process{'es' * (world > 1)}), {state['label_tokens']} label tokens "
              f"(anchor x block position pairs), {state['seq_tokens']} sequence tokens through the target; "
              f"{hours:.2f} h of training wall time. AdamW lr {cfg['lr']}, warmup {cfg['warmup']}, cosine decay, "
              f"grad clip {cfg['grad_clip']}, loss decay gamma {cfg['gamma'] or 'default'}, bf16 autocast "
