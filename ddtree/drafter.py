@@ -143,12 +143,8 @@ class DFlashDrafter(nn.Module):
         vis = Visibility(cache.length, None)  # non-causal: the block sees all context and all of itself
         backend = resolve_backend(self.attention_backend, h.device)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.query(x, cos, sin)
-            k, v = cache.write(i, *attn.key_value(x, cos, sin))  # pending rows: dropped, never committed
-            h = h + attn.output(attend(q, k, v, vis, backend))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # the block's K/V are written as pending rows after the context: dropped, never committed
+            h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
         return self.target.logits(self.norm(h[1:]))
 
     # --- the published checkpoint format ---------------------------------------------------------------

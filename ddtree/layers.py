@@ -5,6 +5,8 @@ Batch size is 1 everywhere in decoding, so activations are [N, H] (N tokens) and
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -111,12 +113,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """The one residual block of the target, the drafter (decoding and training) and the batched generator.
+    Where the keys and values go and what the queries see differs between them, so that part is a callback:
+    attend(q [Hq, N, D], k [Hkv, N, D], v [Hkv, N, D]) -> [Hq, N, D], given this pass's new rows only."""
+
     def __init__(self, cfg: ModelConfig, qk_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """h [N, H] -> [N, H]; cos, sin [N, D] at the rows' positions."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        h = h + attn.output(attend(attn.query(x, cos, sin), *attn.key_value(x, cos, sin)))
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def _without_type(d: dict) -> dict:

@@ -68,12 +68,8 @@ class TargetModel(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         taps = []
         for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.query(x, cos, sin)
-            k, v = cache.write(i, *attn.key_value(x, cos, sin))
-            h = h + attn.output(attend(q, k, v, vis, backend))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # the new rows' K/V go to the cache; the queries see the cached past + the new rows (vis)
+            h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
             if i in tap_layers:
                 taps.append(h)
         if last_only:

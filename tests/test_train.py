@@ -145,32 +145,50 @@ def repeating_target():
 def tiny_data(tmp_path_factory):
     target = repeating_target()
     out = tmp_path_factory.mktemp("data")
-    settings = GenerationSettings(max_new_tokens=40, batch_size=4, shard_size=8)
+    settings = GenerationSettings(max_new_tokens=40, slots=4, chunk_size=8, sampled_fraction=0.0)
     generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, settings, stop_ids=(),
                   heldout_fraction=0.1, progress=False)
     return target, out
 
 
-def test_generate_data_writes_shards_and_resumes(tiny_data, tmp_path):
+def test_generate_data_writes_chunks_and_resumes(tiny_data, tmp_path):
+    from ddtree.train.data import read_chunk
+
     target, out = tiny_data
-    shards = sorted(out.glob("shard_*.jsonl"))
-    assert len(shards) == 5
-    records = [json.loads(line) for s in shards for line in s.read_text().splitlines()]
+    chunks = sorted(out.glob("chunk_*.npz"))
+    assert len(chunks) == 5
+    records = [r for c in chunks for r in read_chunk(c)]
     assert len(records) == 40 and {r["split"] for r in records} == {"train", "heldout"}
+    assert all(r["turn"] == 1 and r["temperature"] == 0.0 for r in records)
     # the responses are the target's own greedy continuations
     pair = Pair(target, None, None)
     for r in records[:3]:
         assert pair.generate(r["prompt_ids"], method="ar", max_new_tokens=40).token_ids == r["response_ids"]
-    # resume: a finished shard is skipped, a missing one is regenerated identically
-    first = shards[1].read_text()
-    shards[1].unlink()
-    settings = GenerationSettings(max_new_tokens=40, batch_size=4, shard_size=8)
+    # resume: a finished chunk is skipped, a missing one is regenerated identically
+    first = read_chunk(chunks[1])
+    chunks[1].unlink()
+    settings = GenerationSettings(max_new_tokens=40, slots=4, chunk_size=8, sampled_fraction=0.0)
     stats = generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, settings,
                           heldout_fraction=0.1, progress=False)
-    assert stats["written"] == 1 and stats["skipped"] == 4 and shards[1].read_text() == first
+    assert stats["written"] == 1 and stats["skipped"] == 4 and read_chunk(chunks[1]) == first
     with pytest.raises(ValueError, match="different settings"):
         generate_data(target, None, _id_prompts(40, target.cfg.vocab_size), out, replace(settings, max_new_tokens=9),
                       heldout_fraction=0.1, progress=False)
+
+
+def test_sampled_data_is_reproducible_and_recorded(tmp_path):
+    from ddtree.train.data import read_records
+
+    target = random_target("qwen3", seed=4, init_scale=0.3)
+    prompts = _id_prompts(12, target.cfg.vocab_size, seed=5)
+    runs = []
+    for slots, name in ((3, "a"), (5, "b")):  # other batch compositions, same draws per prompt
+        settings = GenerationSettings(max_new_tokens=16, slots=slots, chunk_size=5, sampled_fraction=0.5, seed=1)
+        generate_data(target, None, prompts, tmp_path / name, settings, progress=False)
+        runs.append(read_records(tmp_path / name))
+    assert runs[0] == runs[1]
+    temps = [r["temperature"] for r in runs[0]]
+    assert any(t == 0.0 for t in temps) and any(0.7 <= t <= 1.0 for t in temps)
 
 
 # --- (a) end to end, (c) resume ---------------------------------------------------------------------------------
@@ -248,7 +266,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"
     common = ["--target", str(model_dir), "--device", "cpu", "--no-progress"]
     assert main(["generate-data", *common, "--out", str(data), "--prompts-file", str(prompts),
-                 "--max-new-tokens", "24", "--batch-size", "8", "--shard-size", "8", "--heldout", "0.2"]) == 0
+                 "--max-new-tokens", "24", "--slots", "8", "--chunk-size", "8", "--heldout", "0.2"]) == 0
     fit = ["fit", *common, "--data", str(data), "--out", str(run), "--layers", "2", "--block-size", "4",
            "--epochs", "2", "--seqs-per-step", "2", "--anchors", "8", "--eval-prompts", "1",
            "--eval-max-new-tokens", "8"]

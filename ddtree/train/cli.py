@@ -1,6 +1,6 @@
 """`python -m ddtree train {generate-data,fit,export}`: the drafter training recipe from the command line.
 
-    python -m ddtree train generate-data --out data/smollm2 --num-prompts 2000
+    python -m ddtree train generate-data --out data/smollm2-v2 --num-prompts 10000 --max-minutes 100
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --resume          # next 2-hour chunk
     python -m ddtree train export --run runs/l1 --out ddtree/assets/smollm2-135m-dflash
@@ -42,14 +42,16 @@ def _target_args(p):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
-def _load_target(args):
+def _load_target(args, dtype_default=None):
+    """dtype_default(device) picks the dtype when --dtype is not given (default: fp32 on CPU, bf16 on CUDA)."""
     from ..loading import load_target, load_tokenizer, parse_dtype, resolve_target_dir, stop_token_ids
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and "LOCAL_RANK" in __import__("os").environ:
         device = torch.device("cuda", int(__import__("os").environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-    dtype = parse_dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = parse_dtype(args.dtype) if args.dtype else dtype_default(device) if dtype_default else \
+        (torch.bfloat16 if device.type == "cuda" else torch.float32)
     directory = resolve_target_dir(args.target)
     target = load_target(directory, dtype, device)
     tokenizer = load_tokenizer(directory)
@@ -85,20 +87,24 @@ def _read_prompts_file(path: str):
 
 def cmd_generate_data(args) -> int:
     from .data import GenerationSettings, generate_data
-    from .prompts import build_prompts
+    from .prompts import SCALE_MIX, build_prompts, with_follow_ups
 
-    target, tokenizer, stops, directory = _load_target(args)
+    settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
+                                  args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
+    from ..loading import default_dtype
+
+    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 where the CPU has AMX
     prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else \
-        build_prompts(args.num_prompts, _parse_mix(args.mix), args.seed)
-    settings = GenerationSettings(args.max_new_tokens, args.batch_size, args.temperature, args.top_p, args.seed,
-                                  args.shard_size, args.max_prompt_tokens)
-    meta = {"target": str(directory), "mix": args.mix or "default", "prompts_file": args.prompts_file}
+        build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
+    prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
+    meta = {"target": Path(directory).name, "mix": args.mix or "scale", "prompts_file": args.prompts_file}
     stats = generate_data(target, tokenizer, prompts, args.out, settings, stops, args.heldout, meta,
                           progress=not args.no_progress, max_minutes=args.max_minutes)
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
-    left = f"; {stats['remaining']} shards left: run the same command again" if stats["remaining"] else ""
-    print(f"generate-data: {stats['shards']} shards in {args.out} ({stats['written']} written now, "
-          f"{stats['skipped']} already there){left}; {stats['tokens']} response tokens at {rate:.1f} tok/s")
+    left = f"; {stats['remaining']} chunks left: run the same command again" if stats["remaining"] else ""
+    print(f"generate-data: {stats['chunks']} chunks in {args.out} ({stats['written']} written now, "
+          f"{stats['skipped']} already there){left}; {stats['answers']} answers, {stats['tokens']} response tokens "
+          f"at {rate:.1f} tok/s ({stats['decode_steps']} batched steps, {stats['prefill_tokens']} prefill tokens)")
     return 0
 
 
@@ -210,21 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate-data", help="the target answers the training prompts; writes token-id shards")
+    g = sub.add_parser("generate-data", help="the target answers the training prompts; writes token-id chunks")
     _target_args(g)
-    g.add_argument("--out", required=True, help="data directory (resumes: finished shards are skipped)")
-    g.add_argument("--num-prompts", type=int, default=2000)
-    g.add_argument("--mix", help="source weights, e.g. codeio=0.35,math=0.2,chat=0.2,stdlib=0.25 (the default)")
+    g.add_argument("--out", required=True, help="data directory (resumes: finished chunks are skipped)")
+    g.add_argument("--num-prompts", type=int, default=10000)
+    g.add_argument("--mix", help="source weights, e.g. sharegpt=0.35,codeio=0.25,stdlib=0.15,chat=0.12,math=0.13 "
+                   "(the default); sources: codeio, math, chat, stdlib, sharegpt")
     g.add_argument("--prompts-file", help="JSONL prompts instead: {\"text\"}, {\"messages\"} or {\"ids\"} per line")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--batch-size", type=int, default=16, help="prompts per generate() call (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
+    g.add_argument("--slots", type=int, default=64, help="sequences decoded together (default: %(default)s)")
+    g.add_argument("--sampled-fraction", type=float, default=0.25,
+                   help="prompts answered by sampling at T in [--t-min, --t-max]; the rest greedy (default %(default)s)")
+    g.add_argument("--t-min", type=float, default=0.7)
+    g.add_argument("--t-max", type=float, default=1.0)
+    g.add_argument("--follow-ups", type=float, default=0.35,
+                   help="fraction of prompts that get a second user turn after the answer (default %(default)s)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--shard-size", type=int, default=128, help="prompts per shard (the unit of resuming)")
+    g.add_argument("--chunk-size", type=int, default=250, help="prompts per chunk file (the unit of resuming)")
     g.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of prompts (by key hash)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
-    g.add_argument("--max-minutes", type=float, help="stop after the shard that crosses this time (rerun resumes)")
+    g.add_argument("--max-minutes", type=float, help="start no new chunk after this long (rerun resumes)")
     g.add_argument("--no-progress", action="store_true")
 
     f = sub.add_parser("fit", help="train a DFlash drafter on generated data")

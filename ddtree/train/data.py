@@ -1,27 +1,38 @@
-"""Training data: the TARGET's own answers to the training prompts, as resumable token-id shards.
+"""Training data: the TARGET's own answers to the training prompts, as resumable chunks of token ids.
 
 Layout of a data directory:
-    meta.json            what was generated (target, prompt set, decoding settings); checked on resume
-    shard_00000.jsonl    one record per prompt: {"key", "source", "split", "prompt_ids", "response_ids"}
-    ...
-A shard is written to a temporary name and renamed when complete, so a restart skips finished shards and
-redoes at most one. The response ends with the stop token when the target produced one (the drafter must
-learn to predict it too).
+    meta.json           what was generated (target, dtype, prompt set, decoding settings); checked on resume
+    chunk_00000.npz     the answers to one chunk of prompts (the unit of resuming), compact:
+                          tokens uint16 (or int32 for vocabularies over 65,536) [total]: every record's
+                            prompt + response, concatenated
+                          offsets int64 [R + 1], prompt_lens int32 [R], turns uint8 [R] (1, or 2 for an answer
+                            to a follow-up), temperatures float32 [R] (0 = greedy)
+                          records: JSON lines, one {"key", "source", "split"} per record, as uint8 bytes
+    shard_00000.jsonl   (older layout, still read) one JSON record per prompt
+A chunk is written to a temporary name and renamed when all its answers are in, so a restart skips finished
+chunks and redoes only unfinished ones. A response ends with the stop token when the target produced one
+(the drafter must learn to predict it too). Answers come from `BatchedDecoder` (the project's own target code,
+many rows at once), greedy or sampled per prompt.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..hf_baseline import to_hf_model
+from .batched import Answer, BatchedDecoder, Job
 from .prompts import Prompt
 
 SHARD_GLOB = "shard_*.jsonl"
+CHUNK_GLOB = "chunk_*.npz"
 
 
 def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
@@ -29,54 +40,64 @@ def encode_prompt(prompt: Prompt, tokenizer) -> list[int]:
         return list(prompt.ids)
     if tokenizer is None:
         raise ValueError(f"prompt {prompt.key} is text but the target has no tokenizer")
-    ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, tokenize=True)
+    return _template(tokenizer, prompt.messages)
+
+
+def _template(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     return [int(t) for t in ids]
 
 
+def follow_up_ids(prompt: Prompt, tokenizer, prompt_ids: list[int]) -> list[int] | None:
+    """The tokens that follow the first answer's stop token for the follow-up turn: the chat template of
+    [user, assistant, user] minus its [user, assistant] part, so the second turn's prompt is exactly the
+    template's own tokens around the target's answer."""
+    if prompt.follow_up is None or tokenizer is None:
+        return None
+    marker = "\u2063ANSWER\u2063"  # any text: only the template around it matters
+    both = prompt.messages + [{"role": "assistant", "content": marker}, {"role": "user", "content": prompt.follow_up}]
+    text = tokenizer.apply_chat_template(both, add_generation_prompt=True, tokenize=False)
+    eos = tokenizer.convert_ids_to_tokens(_template_end(tokenizer))
+    after = text.split(marker, 1)[1]
+    if not after.startswith(eos):
+        return None  # a template that does not close the answer with the stop token: no second turn
+    return [int(t) for t in tokenizer.encode(after[len(eos):], add_special_tokens=False)]
+
+
+def _template_end(tokenizer) -> int:
+    """The token that closes an assistant turn in the chat template (the model's stop token)."""
+    return int(tokenizer.convert_tokens_to_ids("<|im_end|>")) if "<|im_end|>" in tokenizer.get_vocab() else \
+        int(tokenizer.eos_token_id)
+
+
 @dataclass
 class GenerationSettings:
-    max_new_tokens: int = 256
-    batch_size: int = 8
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
+    max_new_tokens: int = 256  # per answer (a follow-up's answer gets as many again)
+    slots: int = 64  # rows decoded together
+    sampled_fraction: float = 0.25  # prompts answered at a temperature drawn from [t_min, t_max] (the rest greedy)
+    t_min: float = 0.7
+    t_max: float = 1.0
+    follow_up_fraction: float = 0.35  # prompts that get a second user turn
     seed: int = 0
-    shard_size: int = 128
+    chunk_size: int = 250  # prompts per chunk file
     max_prompt_tokens: int = 512
 
+    def __post_init__(self):
+        for name in ("sampled_fraction", "follow_up_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.t_min <= self.t_max:
+            raise ValueError(f"need 0 < t_min <= t_max, got {self.t_min}, {self.t_max}")
+        if min(self.max_new_tokens, self.slots, self.chunk_size, self.max_prompt_tokens) < 1:
+            raise ValueError("max_new_tokens, slots, chunk_size and max_prompt_tokens must be >= 1")
 
-class BatchedGenerator:
-    """Left-padded batched `generate()` on the HF twin of the target; returns each response, cut after the
-    first stop token."""
 
-    def __init__(self, target, stop_ids, pad_id: int | None = None):
-        self.model = to_hf_model(target)
-        self.device = target.device
-        self.stop_ids = list(stop_ids)
-        self.pad_id = pad_id if pad_id is not None else (self.stop_ids[0] if self.stop_ids else 0)
-
-    @torch.no_grad()
-    def __call__(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[int]]:
-        width = max(map(len, prompts))
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        sample = settings.temperature > 0
-        kwargs = dict(do_sample=True, temperature=settings.temperature, top_p=settings.top_p) if sample else \
-            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  max_new_tokens=settings.max_new_tokens, pad_token_id=self.pad_id,
-                                  eos_token_id=self.stop_ids or None, min_new_tokens=1, **kwargs)
-        responses = []
-        for row in out[:, width:].tolist():
-            for j, tok in enumerate(row):
-                if tok in self.stop_ids:
-                    row = row[: j + 1]
-                    break
-            responses.append(row)
-        return responses
+def _job_sampling(key: str, settings: GenerationSettings) -> tuple[float, int]:
+    """(temperature, seed) of a prompt, fixed by its key: the same prompt always gets the same draw."""
+    rng = random.Random(f"sample:{settings.seed}:{key}")
+    temperature = rng.uniform(settings.t_min, settings.t_max) if rng.random() < settings.sampled_fraction else 0.0
+    return temperature, rng.getrandbits(62)
 
 
 def _check_meta(out_dir: Path, meta: dict) -> None:
@@ -95,58 +116,106 @@ def _check_meta(out_dir: Path, meta: dict) -> None:
 def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: GenerationSettings, stop_ids=(),
                   heldout_fraction: float = 0.02, meta: dict | None = None, progress: bool = True,
                   max_minutes: float | None = None) -> dict:
-    """Write the target's answers to `prompts` as shards in out_dir; skip shards already there; stop after
-    the shard that crosses max_minutes (run again to continue). Returns counts: {"shards", "written",
-    "skipped", "remaining", "tokens", "seconds"}."""
+    """Write the target's answers to `prompts` as chunks in out_dir; skip chunks already there; stop taking
+    new chunks after max_minutes (the chunks under way are finished; run again to continue). Returns counts:
+    {"chunks", "written", "skipped", "remaining", "tokens", "answers", "seconds", "decode_steps",
+    "prefill_tokens"}."""
     from tqdm import tqdm
 
     out_dir = Path(out_dir)
     keys = [p.key for p in prompts]
-    _check_meta(out_dir, {**(meta or {}), "num_prompts": len(prompts), "shard_size": settings.shard_size,
-                          "max_new_tokens": settings.max_new_tokens, "temperature": settings.temperature,
-                          "top_p": settings.top_p, "seed": settings.seed, "heldout_fraction": heldout_fraction,
-                          "max_prompt_tokens": settings.max_prompt_tokens,
-                          "prompt_keys_sha1": _sha1("\n".join(keys))})
-    shards = [prompts[i:i + settings.shard_size] for i in range(0, len(prompts), settings.shard_size)]
-    todo = [i for i in range(len(shards)) if not (out_dir / f"shard_{i:05d}.jsonl").is_file()]
-    stats = {"shards": len(shards), "written": 0, "skipped": len(shards) - len(todo), "remaining": len(todo),
-             "tokens": 0, "seconds": 0.0}
+    _check_meta(out_dir, {**(meta or {}), **asdict(settings), "num_prompts": len(prompts),
+                          "heldout_fraction": heldout_fraction, "prompt_keys_sha1": _sha1("\n".join(keys)),
+                          "dtype": str(target.dtype).removeprefix("torch.")})
+    chunks = [prompts[i:i + settings.chunk_size] for i in range(0, len(prompts), settings.chunk_size)]
+    todo = [i for i in range(len(chunks)) if not (out_dir / f"chunk_{i:05d}.npz").is_file()]
+    stats = {"chunks": len(chunks), "written": 0, "skipped": len(chunks) - len(todo), "remaining": len(todo),
+             "tokens": 0, "answers": 0, "seconds": 0.0, "decode_steps": 0, "prefill_tokens": 0}
     if not todo:
         return stats
-    generator = BatchedGenerator(target, stop_ids)
-    bar = tqdm(total=sum(len(shards[i]) for i in todo), unit="prompt", desc="generate-data", disable=not progress)
+    capacity = settings.max_prompt_tokens + 2 * settings.max_new_tokens + 128  # room for a follow-up turn
+    decoder = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids)
+    open_jobs: dict[int, int] = {}  # chunk -> jobs not finished yet
+    records: dict[int, list] = {i: [] for i in todo}
     t0 = time.perf_counter()
-    for i in todo:
-        if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes:
-            break
-        torch.manual_seed(settings.seed * 100003 + i)  # sampling is reproducible per shard
-        items = [(p, encode_prompt(p, tokenizer)) for p in shards[i]]
-        items = [(p, ids) for p, ids in items if len(ids) <= settings.max_prompt_tokens]
-        bar.update(len(shards[i]) - len(items))
-        items.sort(key=lambda x: len(x[1]))  # similar lengths in a batch: less padding
-        records = []
-        for b in range(0, len(items), settings.batch_size):
-            batch = items[b:b + settings.batch_size]
-            responses = generator([ids for _, ids in batch], settings)
-            for (p, ids), resp in zip(batch, responses):
-                records.append({"key": p.key, "source": p.source, "split": p.split(heldout_fraction),
-                                "prompt_ids": ids, "response_ids": resp})
-                stats["tokens"] += len(resp)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - t0):.1f}")
-        tmp = out_dir / f".shard_{i:05d}.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, out_dir / f"shard_{i:05d}.jsonl")
+    bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="prompt", desc="generate-data", disable=not progress)
+
+    def jobs():
+        for i in todo:
+            if max_minutes is not None and time.perf_counter() - t0 >= 60 * max_minutes:
+                return
+            chunk_jobs = []
+            for p in chunks[i]:
+                ids = encode_prompt(p, tokenizer)
+                if len(ids) > settings.max_prompt_tokens:
+                    continue
+                temperature, seed = _job_sampling(p.key, settings)
+                chunk_jobs.append(Job(p.key, ids, temperature, seed, follow_up_ids(p, tokenizer, ids), (i, p)))
+            bar.update(len(chunks[i]) - len(chunk_jobs))
+            open_jobs[i] = len(chunk_jobs)
+            if not chunk_jobs:
+                _finish(i)
+            yield from chunk_jobs
+
+    def _finish(i: int) -> None:
+        write_chunk(out_dir / f"chunk_{i:05d}.npz", records.pop(i), target.cfg.vocab_size)
+        del open_jobs[i]
         stats["written"] += 1
         stats["remaining"] -= 1
+
+    for ans in decoder.run(jobs()):
+        i, p = ans.job.tag
+        if ans.turn > 0:
+            records[i].append((ans, p.source, p.split(heldout_fraction)))
+            stats["tokens"] += len(ans.response_ids)
+            stats["answers"] += 1
+        if ans.last_turn:
+            bar.update(1)
+            open_jobs[i] -= 1
+            if open_jobs[i] == 0:
+                _finish(i)
+        bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - t0):.0f}")
     bar.close()
-    stats["seconds"] = time.perf_counter() - t0
+    stats.update(seconds=time.perf_counter() - t0, decode_steps=decoder.decode_steps,
+                 prefill_tokens=decoder.prefill_tokens)
     return stats
 
 
-def _sha1(text: str) -> str:
-    import hashlib
+def write_chunk(path: Path, records: list[tuple[Answer, str, str]], vocab_size: int) -> None:
+    """Atomically write one chunk (see the module docstring for the arrays)."""
+    records = sorted(records, key=lambda r: (r[0].job.key, r[0].turn))  # independent of completion order
+    seqs = [a.prompt_ids + a.response_ids for a, _, _ in records]
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    meta = "".join(json.dumps({"key": a.job.key, "source": src, "split": split}) + "\n" for a, src, split in records)
+    arrays = dict(
+        tokens=np.array([t for s in seqs for t in s], dtype=dtype),
+        offsets=np.cumsum([0] + [len(s) for s in seqs], dtype=np.int64),
+        prompt_lens=np.array([len(a.prompt_ids) for a, _, _ in records], dtype=np.int32),
+        turns=np.array([a.turn for a, _, _ in records], dtype=np.uint8),
+        temperatures=np.array([a.job.temperature for a, _, _ in records], dtype=np.float32),
+        records=np.frombuffer(meta.encode(), dtype=np.uint8))
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **arrays)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
 
+
+def read_chunk(path: Path) -> list[dict]:
+    """One chunk's records as dicts: key, source, split, turn, temperature, prompt_ids, response_ids."""
+    with np.load(path) as z:
+        tokens, offsets, plens = z["tokens"].astype(np.int64), z["offsets"], z["prompt_lens"]
+        turns, temps = z["turns"], z["temperatures"]
+        metas = [json.loads(line) for line in bytes(z["records"]).decode().splitlines()]
+    out = []
+    for r, m in enumerate(metas):
+        seq = tokens[offsets[r]:offsets[r + 1]].tolist()
+        out.append({**m, "turn": int(turns[r]), "temperature": float(temps[r]), "prompt_ids": seq[:plens[r]],
+                    "response_ids": seq[plens[r]:]})
+    return out
+
+
+def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
@@ -156,18 +225,26 @@ class Sequence:
     prompt_len: int
     key: str
     source: str
+    turn: int = 1
+    temperature: float = 0.0
+
+
+def read_records(data_dir) -> list[dict]:
+    """Every record of a data directory (chunks, then older JSONL shards), in file order."""
+    data_dir = Path(data_dir)
+    chunks, shards = sorted(data_dir.glob(CHUNK_GLOB)), sorted(data_dir.glob(SHARD_GLOB))
+    if not chunks and not shards:
+        raise FileNotFoundError(f"{data_dir} holds no {CHUNK_GLOB} chunks or {SHARD_GLOB} shards: run "
+                                "`python -m ddtree train generate-data`")
+    out = [r for path in chunks for r in read_chunk(path)]
+    for path in shards:
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
 
 
 def read_sequences(data_dir, split: str | None = "train", min_response: int = 2) -> list[Sequence]:
-    """All records of a data directory (one split, or all with split=None), in shard order."""
-    data_dir = Path(data_dir)
-    files = sorted(data_dir.glob(SHARD_GLOB))
-    if not files:
-        raise FileNotFoundError(f"{data_dir} holds no {SHARD_GLOB} shards: run `python -m ddtree train generate-data`")
-    out = []
-    for path in files:
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            if (split is None or r["split"] == split) and len(r["response_ids"]) >= min_response:
-                out.append(Sequence(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["key"], r["source"]))
-    return out
+    """The records of a data directory as training sequences (one split, or all with split=None)."""
+    return [Sequence(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["key"], r["source"],
+                     r.get("turn", 1), r.get("temperature", 0.0))
+            for r in read_records(data_dir)
+            if (split is None or r["split"] == split) and len(r["response_ids"]) >= min_response]

@@ -110,13 +110,9 @@ def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, p
     cos_b, sin_b = drafter.rotary(positions.reshape(-1), h.dtype)
     attend = _attend_dense if dense else _attend_split
     for layer in drafter.layers:
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.query(x, cos_b, sin_b)  # [Hq, A*B, D]
-        kc, vc = attn.key_value(ctx, cos_c, sin_c)  # [Hkv, T, D]
-        kb, vb = attn.key_value(x, cos_b, sin_b)  # [Hkv, A*B, D]
-        h = h + attn.output(attend(q, kc, vc, kb, vb, anchors, b))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        kc, vc = layer.self_attn.key_value(ctx, cos_c, sin_c)  # the context's K/V in this layer [Hkv, T, D]
+        # block queries [Hq, A*B, D] see the context before their anchor and their own block's K/V
+        h = layer(h, cos_b, sin_b, lambda q, kb, vb, kc=kc, vc=vc: attend(q, kc, vc, kb, vb, anchors, b))
     return drafter.norm(h).view(a, b, -1)
 
 

