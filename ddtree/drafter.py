@@ -38,8 +38,16 @@ class DrafterConfig:
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (own lm_head + d2t); None = the target's
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size != self.model.vocab_size
 
     def __post_init__(self):
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.model.vocab_size:
+            raise ConfigError(f"draft_vocab_size must be within 1..vocab_size ({self.model.vocab_size}), got "
+                              f"{self.draft_vocab_size}")
         if self.block_size < 2:
             raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
@@ -56,7 +64,9 @@ class DrafterConfig:
         model = ModelConfig.from_hf({**cfg, "model_type": "qwen3"})
         n_target = cfg.get("num_target_layers")
         ids = dflash.get("target_layer_ids") or default_tap_layers(n_target, model.num_layers)
-        return cls(model, int(cfg["block_size"]), int(dflash["mask_token_id"]), tuple(ids), int(n_target))
+        draft_vocab = cfg.get("draft_vocab_size")
+        return cls(model, int(cfg["block_size"]), int(dflash["mask_token_id"]), tuple(ids), int(n_target),
+                   None if draft_vocab is None else int(draft_vocab))
 
     def to_hf(self) -> dict:
         out = self.model.to_hf()
@@ -64,6 +74,8 @@ class DrafterConfig:
                    num_target_layers=self.num_target_layers, tie_word_embeddings=False,
                    dflash_config={"mask_token_id": self.mask_token_id,
                                   "target_layer_ids": list(self.target_layer_ids)})
+        if self.reduced_vocab:  # EAGLE-3 / vLLM convention: own lm_head [draft_vocab_size, H] and d2t offsets
+            out["draft_vocab_size"] = self.draft_vocab_size
         return out
 
     def check_target(self, target: ModelConfig) -> None:
@@ -94,6 +106,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(m, qk_norm=True) for _ in range(m.num_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
+        if cfg.reduced_vocab:
+            # Its own head over the draft vocabulary; draft id j is target id j + d2t[j] (vLLM's key names).
+            self.lm_head = nn.Linear(m.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
@@ -145,7 +161,29 @@ class DFlashDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
-        return self.target.logits(self.norm(h[1:]))
+        return self.logits(self.norm(h[1:]))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [N, H] -> logits over the draft vocabulary [N, draft_vocab] (the target's
+        vocabulary and LM head unless the drafter has a reduced one)."""
+        return self.lm_head(hidden) if self.cfg.reduced_vocab else self.target.logits(hidden)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape) -> the target's token ids."""
+        return ids + self.d2t[ids] if self.cfg.reduced_vocab else ids
+
+    def set_draft_vocab(self, target_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
+        """Use the draft vocabulary `target_ids` [draft_vocab] (distinct target ids): d2t from them and the
+        head's rows copied from the target's LM head `head_weight` [V, H]."""
+        if not self.cfg.reduced_vocab or target_ids.numel() != self.cfg.draft_vocab_size:
+            raise ConfigError(f"set_draft_vocab: the drafter's draft_vocab_size is {self.cfg.draft_vocab_size}, "
+                              f"got {target_ids.numel()} ids")
+        if target_ids.unique().numel() != target_ids.numel():
+            raise ConfigError("set_draft_vocab: the draft vocabulary has repeated token ids")
+        ids = target_ids.to(self.d2t.device, torch.long)
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+            self.lm_head.weight.copy_(head_weight[ids.to(head_weight.device)].to(self.lm_head.weight))
 
     # --- the published checkpoint format ---------------------------------------------------------------
     def save(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -155,7 +193,8 @@ class DFlashDrafter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2) + "\n")
-        state = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+                 for k, v in self.state_dict().items()}  # d2t stays int64
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
@@ -168,7 +207,8 @@ class DFlashDrafter(nn.Module):
         drafter = cls(cfg, attention_backend)
         state = read_safetensors(directory)
         state = {k.removeprefix("model."): v for k, v in state.items()}  # tolerate a "model." prefix
-        state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+        shared = ("embed_tokens.weight", "t2d") + (() if cfg.reduced_vocab else ("lm_head.weight",))
+        state = {k: v for k, v in state.items() if k not in shared}  # the target's (or, t2d, unused: vLLM skips it)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(f"drafter checkpoint {directory} does not match its config.json: missing "
@@ -177,8 +217,9 @@ class DFlashDrafter(nn.Module):
 
 
 def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: int = 0,
-                      mask_token_id: int | None = None) -> DFlashDrafter:
-    """A seeded random drafter shaped for `target`: exercises the machinery, predicts nothing useful."""
+                      mask_token_id: int | None = None, draft_vocab: torch.Tensor | None = None) -> DFlashDrafter:
+    """A seeded random drafter shaped for `target`: exercises the machinery, predicts nothing useful.
+    draft_vocab: target ids of a reduced draft vocabulary (its head rows are copied from the target's)."""
     t = target.cfg
     model = ModelConfig(arch="qwen3", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
                         intermediate_size=t.intermediate_size, num_layers=num_layers, num_heads=t.num_heads,
@@ -186,7 +227,8 @@ def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: i
                         rope_theta=t.rope_theta, rope_scaling=t.rope_scaling,
                         max_position_embeddings=t.max_position_embeddings)
     mask = t.vocab_size - 1 if mask_token_id is None else mask_token_id
-    cfg = DrafterConfig(model, block_size, mask, tuple(default_tap_layers(t.num_layers, num_layers)), t.num_layers)
+    cfg = DrafterConfig(model, block_size, mask, tuple(default_tap_layers(t.num_layers, num_layers)), t.num_layers,
+                        None if draft_vocab is None else int(draft_vocab.numel()))
     gen = torch.Generator().manual_seed(seed)
     drafter = DFlashDrafter(cfg, target.attention_backend)
     with torch.no_grad():
@@ -195,6 +237,8 @@ def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: i
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if draft_vocab is not None:
+        drafter.set_draft_vocab(draft_vocab, target.lm_head.weight)
     return drafter.to(device=target.device, dtype=target.dtype).eval().bind(target)
 
 

@@ -70,9 +70,9 @@ class DFlash(Method):
         if length < 2:
             return DraftTree(bonus, *chain_parents(1))
         with timer("draft"):
-            logits = drafter.draft(dcache, bonus, length)  # [length - 1, V]
+            logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
-            tokens = torch.cat([bonus, logits.argmax(dim=-1)])
+            tokens = torch.cat([bonus, drafter.to_target_ids(logits.argmax(dim=-1))])
             return DraftTree(tokens, *chain_parents(length))
 
 
@@ -109,7 +109,8 @@ class DDTree(Method):
                 b = choose_budget(scores, self.cost, depths[1:], scale)
                 parents, depths, tokens = parents[:b + 1], depths[:b + 1], tokens[:b]
                 self._last = (scores[:b], depths[1:])
-            tokens = torch.cat([bonus, torch.tensor(tokens, dtype=torch.long, device=bonus.device)])
+            drafts = drafter.to_target_ids(torch.tensor(tokens, dtype=torch.long, device=bonus.device))
+            tokens = torch.cat([bonus, drafts])
             return DraftTree(tokens, parents, depths)
 
     def observe(self, accepted: int) -> None:

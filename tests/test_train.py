@@ -198,8 +198,9 @@ def _config(**kw):
     return TrainConfig(**{**base, **kw})
 
 
-def _new_drafter(target):
-    return untrained_drafter(target, num_layers=1, block_size=8, seed=1, mask_token_id=0).requires_grad_(True)
+def _new_drafter(target, draft_vocab=None):
+    return untrained_drafter(target, num_layers=1, block_size=8, seed=1, mask_token_id=0,
+                             draft_vocab=draft_vocab).requires_grad_(True)
 
 
 def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
@@ -226,15 +227,17 @@ def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
     assert max(taus) > 3.0  # the trained drafter drafts several tokens the target accepts
 
 
-def test_resume_matches_uninterrupted_run(tiny_data, tmp_path):
+@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["ce", "distill-vocab"])
+def test_resume_matches_uninterrupted_run(tiny_data, tmp_path, distill, vocab):
     target, data = tiny_data
     train = read_sequences(data, "train")[:12]
-    full = Trainer(_config(max_steps=6, val_sequences=0), target, _new_drafter(target), train, tmp_path / "a")
+    kw = dict(val_sequences=0, distill=distill, distill_topk=4)
+    full = Trainer(_config(max_steps=6, **kw), target, _new_drafter(target, vocab), train, tmp_path / "a")
     full.run()
-    part = Trainer(_config(max_steps=3, val_sequences=0), target, _new_drafter(target), train, tmp_path / "b")
+    part = Trainer(_config(max_steps=3, **kw), target, _new_drafter(target, vocab), train, tmp_path / "b")
     assert part.run() == "paused"
     drafter, state = drafter_from_checkpoint(tmp_path / "b" / "checkpoint.pt", target)
-    cfg = resume_config(state["config"], _config(max_steps=6, val_sequences=0))
+    cfg = resume_config(state["config"], _config(max_steps=6, **kw))
     resumed = Trainer(cfg, target, drafter.requires_grad_(True), train, tmp_path / "b")
     resumed.load_state(state)
     resumed.run()

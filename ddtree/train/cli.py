@@ -130,17 +130,19 @@ def _warn_ignored(args, state: dict, drafter) -> None:
               f"({', '.join(f'{k}={saved[k]}' for k in ignored)}); start a new --out to change them", file=sys.stderr)
 
 
-def _initial_drafter(args, target, tokenizer, seed: int):
+def _initial_drafter(args, target, tokenizer, seed: int, vocab=None):
     """A seeded random drafter, or (--init-from) an existing drafter's weights to go on from, e.g. at another
-    block size: the weights do not depend on it."""
+    block size: the weights do not depend on it. vocab: target ids of a reduced draft vocabulary (or None)."""
     from dataclasses import replace
 
     from ..drafter import DFlashDrafter, untrained_drafter
+    from .vocab import with_draft_vocab
 
     if args.init_from is None:
         mask = args.mask_token_id if args.mask_token_id is not None else \
             default_mask_token_id(tokenizer, target.cfg.vocab_size)
-        return untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask)
+        return untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask,
+                                 draft_vocab=vocab)
     drafter = DFlashDrafter.load(args.init_from, target.dtype, target.device)
     own = {"layers": drafter.cfg.model.num_layers, "mask_token_id": drafter.cfg.mask_token_id}
     clash = [k for k in own if getattr(args, k) is not None and getattr(args, k) != own[k]]
@@ -148,7 +150,8 @@ def _initial_drafter(args, target, tokenizer, seed: int):
         raise ConfigError(f"--init-from {args.init_from} fixes {', '.join(clash)}: drop those options")
     if args.block_size:
         drafter.cfg = replace(drafter.cfg, block_size=args.block_size)
-    return drafter.bind(target)
+    drafter = drafter.bind(target)
+    return drafter if vocab is None else with_draft_vocab(drafter, vocab, target.lm_head.weight)
 
 
 def cmd_fit(args) -> int:
@@ -171,7 +174,14 @@ def cmd_fit(args) -> int:
         if ckpt.is_file():
             raise ConfigError(f"{out} already holds a run (checkpoint.pt): pass --resume to continue it, or "
                               "choose another --out")
-        drafter = _initial_drafter(args, target, tokenizer, cfg.seed)
+        vocab = None
+        if args.draft_vocab:
+            from .vocab import coverage, draft_vocabulary, response_token_counts
+
+            vocab = draft_vocabulary(response_token_counts(train, target.cfg.vocab_size), args.draft_vocab, stops)
+            print(f"fit: draft vocabulary of {args.draft_vocab} tokens covers {coverage(vocab, train):.2%} of the "
+                  f"training and {coverage(vocab, heldout):.2%} of the held-out response tokens", file=sys.stderr)
+        drafter = _initial_drafter(args, target, tokenizer, cfg.seed, vocab)
         state = None
     drafter = drafter.float().requires_grad_(True)  # fp32 master weights (the target may be bf16)
     trainer = Trainer(cfg, target, drafter, train, out, heldout, tokenizer, stops)
@@ -261,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also anchor blocks inside the prompt (default: response only, as in decoding)")
     f.add_argument("--max-seq-len", type=int, help="sequences are cut to this many tokens (default 1024)")
     f.add_argument("--gamma", type=float, help="loss decay (default: 7 for block 16, 5 for 10, 4 for 8)")
+    f.add_argument("--distill", type=float, help="weight of the target's own next-token distribution in the loss, "
+                   "0..1 (default 0: hard labels only; 1: pure distillation)")
+    f.add_argument("--distill-topk", type=int, help="the teacher distribution is the target's top-k (default 32)")
+    f.add_argument("--draft-vocab", type=int, help="a reduced draft vocabulary: the N most frequent response tokens "
+                   "of the training data (own head from the target's rows, d2t; default: the full vocabulary)")
     f.add_argument("--seed", type=int, help="drafter init, data order and anchors (default 0)")
     f.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast (GPUs, CPUs with AMX)")
     f.add_argument("--max-minutes", type=float, help="stop cleanly (checkpoint) after this long (default 110)")

@@ -18,38 +18,41 @@ EXP_FLOOR = -80.0
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
+    """Soft-target cross-entropy -sum_k w_k log softmax(hidden @ weight.T)[idx_k], per row. Hard CE is one
+    target of weight 1; distillation is the teacher's top-k probabilities (mixed with the hard label)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk):
-        # hidden [N, H] (the head's dtype), weight [V, H], labels [N] -> ce [N] fp32, correct [N] bool
+    def forward(ctx, hidden, weight, idx, w, labels, chunk):
+        # hidden [N, H] (the head's dtype), weight [V, H], idx [N, K], w [N, K] fp32, labels [N]
+        #   -> loss [N] fp32, correct [N] bool (argmax == label)
         n = hidden.shape[0]
-        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
             logits = (hidden[s:s + chunk] @ weight.T).float()  # [c, V]
-            label_logit = logits.gather(1, labels[s:s + chunk, None])[:, 0]
+            target_logit = (logits.gather(1, idx[s:s + chunk]) * w[s:s + chunk]).sum(dim=-1)
             top, arg = logits.max(dim=-1)
             chunk_lse = top + logits.sub_(top[:, None]).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_()
             lse[s:s + chunk] = chunk_lse
-            ce[s:s + chunk] = chunk_lse - label_logit
+            loss[s:s + chunk] = chunk_lse * w[s:s + chunk].sum(dim=-1) - target_logit
             correct[s:s + chunk] = arg == labels[s:s + chunk]
-        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.save_for_backward(hidden, weight, idx, w, lse)
         ctx.chunk = chunk
         ctx.mark_non_differentiable(correct)
-        return ce, correct
+        return loss, correct
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_correct):
-        hidden, weight, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_loss, _grad_correct):
+        hidden, weight, idx, w, lse = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
-        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
             probs = (hidden[s:e] @ weight.T).float().sub_(lse[s:e, None]).clamp_(min=EXP_FLOOR).exp_()  # softmax [c, V]
-            probs[rows[:e - s], labels[s:e]] -= 1.0  # d ce / d logits = softmax - onehot
-            probs.mul_(grad_ce[s:e, None])
+            probs.mul_(w[s:e].sum(dim=-1, keepdim=True)).scatter_add_(1, idx[s:e], -w[s:e])  # d loss / d logits
+            probs.mul_(grad_loss[s:e, None])
             grad_hidden[s:e] = probs.to(weight.dtype) @ weight
-        return grad_hidden, None, None, None
+        return grad_hidden, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -57,4 +60,14 @@ def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch
     """Per-row cross-entropy of softmax(hidden @ weight.T) at labels, and whether the argmax hits the label.
     hidden [N, H], weight [V, H] (frozen), labels [N] in [0, V). Returns (ce [N] fp32, correct [N] bool);
     ce is differentiable with respect to hidden only."""
-    return _HeadCrossEntropy.apply(hidden.to(weight.dtype), weight.detach(), labels, chunk)
+    ones = torch.ones(labels.shape[0], 1, dtype=torch.float32, device=labels.device)
+    return head_soft_cross_entropy(hidden, weight, labels[:, None], ones, labels, chunk)
+
+
+def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                            labels: torch.Tensor, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row -sum_k w[:, k] * log softmax(hidden @ weight.T)[idx[:, k]] (a KL divergence up to the targets'
+    own entropy when w holds a distribution), and whether the argmax hits `labels` (-1: never).
+    hidden [N, H], weight [V, H] (frozen), idx [N, K] in [0, V), w [N, K] >= 0. Returns (loss [N] fp32,
+    correct [N] bool); loss is differentiable with respect to hidden only."""
+    return _HeadCrossEntropy.apply(hidden.to(weight.dtype), weight.detach(), idx, w.float(), labels, chunk)

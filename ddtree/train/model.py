@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import Visibility
-from .fused_ce import head_cross_entropy
+from .fused_ce import head_soft_cross_entropy
 
 
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -117,42 +117,82 @@ def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, p
 
 
 class DraftLoss(nn.Module):
-    """Wraps the drafter for training (and DistributedDataParallel): forward(one sequence) -> weighted CE.
-    The target's embedding and LM head are used frozen; they are not submodules, so no optimizer sees them."""
+    """Wraps the drafter for training (and DistributedDataParallel): forward(one sequence) -> weighted loss.
+    The target's embedding and LM head are used frozen; they are not submodules, so no optimizer sees them.
 
-    def __init__(self, drafter, target, gamma: float | None = None):
+    Loss per label: (1 - distill) * CE(label) + distill * CE(teacher), the teacher being the target's own
+    next-token distribution there (its top-k, renormalized): distill = 0 is the published hard-label recipe,
+    1 is pure distillation (KL to the teacher up to its entropy). With a reduced draft vocabulary the head is
+    the drafter's own (frozen, rows of the target's) and targets outside the draft vocabulary carry no weight
+    (a label outside it counts as a miss in the accuracy)."""
+
+    def __init__(self, drafter, target, gamma: float | None = None, distill: float = 0.0):
         super().__init__()
-        self.drafter = drafter
+        if not 0.0 <= distill <= 1.0:
+            raise ValueError(f"distill must be within [0, 1], got {distill}")
+        self.drafter, self.distill = drafter, distill
         self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
         b = drafter.cfg.block_size
         self.register_buffer("weights", loss_weights(b, default_gamma(b) if gamma is None else gamma), persistent=False)
+        t2d = None
+        if drafter.cfg.reduced_vocab:  # target id -> draft id, -1 outside the draft vocabulary
+            draft_ids = torch.arange(drafter.cfg.draft_vocab_size, device=drafter.d2t.device)
+            t2d = torch.full((drafter.cfg.model.vocab_size,), -1, dtype=torch.long, device=drafter.d2t.device)
+            t2d[draft_ids + drafter.d2t] = draft_ids
+        self.register_buffer("t2d", t2d, persistent=False)
 
     @property
     def target(self):
         return self._frozen[0]
 
-    def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, dense: bool = False):
-        """tokens [T]; features [T, taps*H]; anchors [A]. Returns (loss, stats) with stats = weighted-CE sum,
-        weight sum, correct top-1 count and label count (for logging; tensors, no grad)."""
+    def _head(self) -> torch.Tensor:
+        return self.drafter.lm_head.weight if self.drafter.cfg.reduced_vocab else self.target.lm_head.weight
+
+    def _to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.t2d is None else self.t2d[ids]
+
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, dense: bool = False,
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """tokens [T]; features [T, taps*H]; anchors [A]; teacher = (log-probs, ids) [T, K] of the target's
+        top-k next-token distribution after each token (needed when distill > 0). Returns (loss, stats) with
+        stats = weighted-loss sum, weight sum, correct top-1 count and label count (tensors, no grad)."""
         cfg = self.drafter.cfg
         block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id)
         features = features.to(self.drafter.fc.weight.dtype)  # a bf16 target may train an fp32 drafter
         hidden = drafter_block_hidden(self.drafter, features, block, positions, anchors, self.target.model.embed_tokens,
                                       dense)
         valid = labels >= 0  # [A, B-1]
-        # the target's (frozen) LM head and the CE in one chunked pass: the [n_valid, V] logits are never kept
-        ce, hit = head_cross_entropy(hidden[:, 1:][valid], self.target.lm_head.weight, labels[valid])
-        w = self.weights[None, :].expand_as(labels)[valid]
-        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-        return loss, {"ce_sum": (ce * w).sum().detach(), "w_sum": w.sum(), "correct": hit.sum(), "labels": valid.sum()}
+        label = self._to_draft(labels[valid])  # [n] draft ids, -1 outside the draft vocabulary
+        idx = label.clamp(min=0)[:, None]
+        w = ((label >= 0).float() * (1.0 - self.distill))[:, None]  # [n, 1]
+        if self.distill > 0:
+            if teacher is None:
+                raise ValueError("distill > 0 needs the teacher's top-k (FeatureSource with distill_topk > 0)")
+            rows = positions[:, 1:][valid] - 1  # the target's prediction for token a+k is made after token a+k-1
+            logp, ids = teacher[0][rows].float(), self._to_draft(teacher[1][rows])  # [n, K]
+            p = logp.exp() * (ids >= 0)
+            p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-12)
+            idx, w = torch.cat([idx, ids.clamp(min=0)], dim=1), torch.cat([w, p * self.distill], dim=1)
+        # the LM head and the loss in one chunked pass: the [n_valid, V] logits are never kept
+        loss, hit = head_soft_cross_entropy(hidden[:, 1:][valid], self._head(), idx, w, label)
+        pw = self.weights[None, :].expand_as(labels)[valid] * (w.sum(dim=-1) > 0)
+        total = (loss * pw).sum() / pw.sum().clamp(min=1e-6)
+        return total, {"ce_sum": (loss * pw).sum().detach(), "w_sum": pw.sum(), "correct": hit.sum(),
+                       "labels": valid.sum()}
 
 
 @torch.no_grad()
-def target_features(target, tokens: torch.Tensor, tap_layers) -> torch.Tensor:
+def target_features(target, tokens: torch.Tensor, tap_layers, topk: int = 0):
     """The frozen target's tap features [T, taps*H] for a whole sequence (one causal pass), as an ordinary
-    tensor usable in autograd."""
+    tensor usable in autograd; with topk > 0 also its top-k next-token log-probs and ids [T, K] at every
+    position (the distillation teacher): returns (features, (logprobs, ids))."""
     n = tokens.numel()
     cache = target.new_cache(n)
     positions = torch.arange(n, device=tokens.device)
-    out = target(tokens, positions, cache, Visibility.causal(0, n, tokens.device), tuple(tap_layers), last_only=True)
-    return out.taps.clone()
+    out = target(tokens, positions, cache, Visibility.causal(0, n, tokens.device), tuple(tap_layers),
+                 last_only=topk == 0)
+    if topk == 0:
+        return out.taps.clone()
+    logp = out.logits.float().log_softmax(dim=-1)
+    top = logp.topk(topk, dim=-1)
+    return out.taps.clone(), (top.values, top.indices)

@@ -43,6 +43,8 @@ class TrainConfig:
     include_prompt_anchors: bool = False
     max_seq_len: int = 1024
     gamma: float | None = None  # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8
+    distill: float = 0.0  # weight of the target's own distribution in the loss (0 = hard labels only)
+    distill_topk: int = 32  # the teacher distribution is the target's top-k, renormalized
     seed: int = 0
     bf16: bool = False  # autocast; only worth it on GPUs and CPUs with bf16 units
     # runtime (may change on --resume)
@@ -69,31 +71,43 @@ def init_distributed(device: torch.device) -> None:
 
 
 class FeatureSource:
-    """Target tap features of a sequence: computed by the frozen target, optionally cached on disk (fp16,
-    or fp32 if a value would overflow fp16) so later epochs skip the target pass."""
+    """Target tap features of a sequence (and, with topk > 0, the target's top-k next-token log-probs and ids
+    for distillation): computed by the frozen target, optionally cached on disk (features in fp16, or fp32 if
+    a value would overflow fp16) so later epochs skip the target pass."""
 
-    def __init__(self, target, tap_layers, cache_dir: str | None):
-        self.target, self.taps = target, tuple(tap_layers)
-        self.dir = Path(cache_dir) / ("taps_" + "_".join(map(str, self.taps))) if cache_dir else None
+    def __init__(self, target, tap_layers, cache_dir: str | None, topk: int = 0):
+        self.target, self.taps, self.topk = target, tuple(tap_layers), topk
+        name = "taps_" + "_".join(map(str, self.taps)) + (f"_top{topk}" if topk else "")
+        self.dir = Path(cache_dir) / name if cache_dir else None
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def __call__(self, seq: Sequence, tokens: torch.Tensor) -> torch.Tensor:
+    def __call__(self, seq: Sequence, tokens: torch.Tensor):
+        """Returns (features [T, taps*H], teacher (logprobs, ids) [T, K] or None)."""
         path = None
         if self.dir is not None:
             import hashlib
 
             path = self.dir / (hashlib.sha1(f"{seq.key}:{tokens.tolist()}".encode()).hexdigest()[:20] + ".pt")
             if path.is_file():
-                return torch.load(path).to(self.target.device, self.target.dtype)
-        feats = target_features(self.target, tokens, self.taps)
+                saved = torch.load(path)
+                feats, teacher = (saved, None) if torch.is_tensor(saved) else (saved["taps"], saved["teacher"])
+                dev = self.target.device
+                teacher = None if teacher is None else (teacher[0].to(dev).float(), teacher[1].to(dev).long())
+                return feats.to(dev, self.target.dtype), teacher
+        out = target_features(self.target, tokens, self.taps, self.topk)
+        feats, teacher = (out, None) if self.topk == 0 else out
         if path is not None:
             small = feats.half() if feats.abs().max() < 6e4 else feats.float()
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(small.cpu(), tmp)
+            if teacher is None:
+                torch.save(small.cpu(), tmp)
+            else:
+                teacher = (teacher[0].half().float(), teacher[1])  # train on exactly what later epochs read
+                torch.save({"taps": small.cpu(), "teacher": (teacher[0].half().cpu(), teacher[1].int().cpu())}, tmp)
             os.replace(tmp, path)
             feats = small.to(feats.dtype)  # train on exactly what later epochs will read
-        return feats
+        return feats, teacher
 
 
 class Trainer:
@@ -108,7 +122,7 @@ class Trainer:
         self.rank, self.world = _rank_world()
         if not self.train_seqs:
             raise ValueError("no training sequences")
-        self.loss_model = DraftLoss(drafter, target, cfg.gamma).to(self.device)
+        self.loss_model = DraftLoss(drafter, target, cfg.gamma, cfg.distill).to(self.device)
         self.model = self.loss_model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -134,7 +148,8 @@ class Trainer:
             return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-        self.features = FeatureSource(target, drafter.cfg.target_layer_ids, cfg.feature_cache)
+        self.features = FeatureSource(target, drafter.cfg.target_layer_ids, cfg.feature_cache,
+                                      cfg.distill_topk if cfg.distill > 0 else 0)
         self.step, self.label_tokens, self.seq_tokens, self.train_seconds = 0, 0, 0, 0.0
 
     # --- data position ------------------------------------------------------------------------------------
@@ -150,11 +165,12 @@ class Trainer:
         gen = torch.Generator().manual_seed(anchor_seed)
         anchors = sample_anchors(seq.prompt_len, tokens.numel(), self.cfg.anchors, gen,
                                  self.cfg.include_prompt_anchors).to(self.device)
-        return tokens, self.features(seq, tokens), anchors
+        feats, teacher = self.features(seq, tokens)
+        return tokens, feats, anchors, teacher
 
-    def _forward(self, tokens, feats, anchors):
+    def _forward(self, tokens, feats, anchors, teacher):
         with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
-            return self.model(tokens, feats, anchors)
+            return self.model(tokens, feats, anchors, teacher=teacher)
 
     # --- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -165,11 +181,12 @@ class Trainer:
         seq_tokens = 0
         for i, idx in enumerate(indices):
             seq = self.train_seqs[idx]
-            tokens, feats, anchors = self._example(seq, ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
+            tokens, feats, anchors, teacher = self._example(
+                seq, ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
             last = i == len(indices) - 1
             ctx = self.model.no_sync() if self.world > 1 and not last else _null()
             with ctx:
-                loss, st = self._forward(tokens, feats, anchors)
+                loss, st = self._forward(tokens, feats, anchors, teacher)
                 (loss / len(indices)).backward()
             totals += torch.stack([st["ce_sum"].double(), st["w_sum"].double(), st["correct"].double(),
                                    st["labels"].double()])
@@ -203,7 +220,8 @@ class Trainer:
         if val:
             totals = torch.zeros(4, dtype=torch.float64)
             for i, seq in enumerate(val):
-                _, st = self.loss_model(*self._example(seq, 1_000_003 + i))
+                tokens, feats, anchors, teacher = self._example(seq, 1_000_003 + i)
+                _, st = self.loss_model(tokens, feats, anchors, teacher=teacher)
                 totals += torch.tensor([float(st[k]) for k in ("ce_sum", "w_sum", "correct", "labels")],
                                        dtype=torch.float64)
             out.update(val_loss=float(totals[0] / totals[1]), val_acc=float(totals[2] / totals[3]))
