@@ -6,6 +6,11 @@ per-row RoPE positions, each row attending to its own first length+1 keys); a ro
 at once with the next job, whose prompt is prefilled into that row alone by the target's ordinary
 single-sequence forward. So the batch stays full and every matmul reads the weights once for all rows.
 
+Attention reads every row's keys up to the longest row of its group, and it is most of a step's time (the
+matmuls are shared by all rows; the KV reads are not). So every `resort_every` steps the rows are reordered
+by length (their cache rows moved along) and attention runs per group of `group_size` consecutive rows, each
+group up to its own longest row.
+
 A job may carry a follow-up turn: when its answer ends with a stop token, the follow-up's tokens are fed to
 the same row (its cache already holds prompt + answer) and the row goes on decoding the second answer.
 
@@ -63,12 +68,14 @@ class _SlotCache(KVCache):
 
 
 class BatchedDecoder:
-    def __init__(self, target, slots: int, capacity: int, max_new_tokens: int, stop_ids: Iterable[int]):
+    def __init__(self, target, slots: int, capacity: int, max_new_tokens: int, stop_ids: Iterable[int],
+                 group_size: int = 8, resort_every: int = 32):
         c = target.cfg
         if slots < 1 or capacity < 2 or max_new_tokens < 1:
             raise ValueError(f"need slots >= 1, capacity >= 2, max_new_tokens >= 1; got {slots}, {capacity}, "
                              f"{max_new_tokens}")
         self.target, self.slots, self.capacity, self.max_new_tokens = target, slots, capacity, max_new_tokens
+        self.group_size, self.resort_every = max(1, group_size), max(1, resort_every)
         self.stop_ids = set(int(t) for t in stop_ids)
         shape = (c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim)
         self.k = torch.zeros(shape, dtype=target.dtype, device=target.device)
@@ -109,26 +116,49 @@ class BatchedDecoder:
         return len(job.prompt_ids) + self.max_new_tokens + extra <= self.capacity
 
     # --- the batch -----------------------------------------------------------------------------------------
+    def _resort(self) -> None:
+        """Reorder the rows by length (cache rows, lengths, pending tokens and row states together), so each
+        attention group holds rows of similar length."""
+        order = sorted(range(self.slots), key=lambda s: self.lengths[s])
+        if order == list(range(self.slots)):
+            return
+        used = max(self.lengths) + 1
+        perm = torch.tensor(order, device=self.k.device)
+        for cache in (self.k, self.v):  # only the used positions move
+            cache[:, :, :, :used] = cache[:, perm, :, :used]
+        self.lengths = [self.lengths[s] for s in order]
+        self.rows = [self.rows[s] for s in order]
+        self.next_token = [self.next_token[s] for s in order]
+
     @torch.inference_mode()
     def _step(self) -> None:
         """Every row takes its pending token and computes the next one: a [slots]-token pass."""
+        if self.decode_steps % self.resort_every == 0:
+            self._resort()
         t, dev = self.target, self.target.device
         cfg = t.cfg
         pos = torch.tensor(self.lengths, device=dev)  # [S]
         tokens = torch.tensor(self.next_token, device=dev)  # [S]
-        span = max(self.lengths) + 1  # keys any row can see this step
-        visible = (torch.arange(span, device=dev)[None, :] <= pos[:, None])[:, None, None, :]  # [S, 1, 1, span]
         slot_idx = torch.arange(self.slots, device=dev)[:, None]  # [S, 1]
         head_idx = torch.arange(cfg.num_kv_heads, device=dev)[None, :]  # [1, Hkv]
         group = cfg.num_heads // cfg.num_kv_heads
+        # attention groups: consecutive rows [a, b), keys up to the group's longest row
+        groups = []
+        for a in range(0, self.slots, self.group_size):
+            b = min(a + self.group_size, self.slots)
+            span = max(self.lengths[a:b]) + 1
+            visible = (torch.arange(span, device=dev)[None, :] <= pos[a:b, None])[:, None, None, :]  # [b-a,1,1,span]
+            groups.append((a, b, span, visible))
         h = t.embed(tokens)  # [S, H]
         cos, sin = t.rotary(pos, h.dtype)  # [S, D]: each row at its own position
+
         def attend(i, q, k, v):  # q [Hq, S, D], k, v [Hkv, S, D]: one new row per slot
             self.k[i, slot_idx, head_idx, pos[:, None]] = k.transpose(0, 1)  # row s writes at its own position
             self.v[i, slot_idx, head_idx, pos[:, None]] = v.transpose(0, 1)
             # GQA: the `group` query heads of a KV head attend as `group` queries of that head.
             qf = q.transpose(0, 1).reshape(self.slots, cfg.num_kv_heads, group, cfg.head_dim)
-            o = F.scaled_dot_product_attention(qf, self.k[i, :, :, :span], self.v[i, :, :, :span], attn_mask=visible)
+            o = torch.cat([F.scaled_dot_product_attention(qf[a:b], self.k[i, a:b, :, :span], self.v[i, a:b, :, :span],
+                                                          attn_mask=visible) for a, b, span, visible in groups])
             return o.reshape(self.slots, cfg.num_heads, cfg.head_dim).transpose(0, 1)
 
         for i, layer in enumerate(t.model.layers):  # rows play the role of tokens: [S, H]
