@@ -283,7 +283,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     assert drafter.cfg.model.num_layers == 2 and drafter.cfg.block_size == 4 and drafter.cfg.mask_token_id == 95
     card = (tmp_path / "exported" / "README.md").read_text()  # the model card, read from the run and its data
     n_seqs = len(read_sequences(data, split=None))
-    assert f"{state['step']} optimizer steps" in card and f"{n_seqs} prompts answered by the target" in card
+    assert f"{state['step']} optimizer steps" in card and f"{n_seqs} answers by the target" in card
     evals = [r for r in map(json.loads, (run / "log.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
     assert evals and f"| {evals[-1]['step']} | {evals[-1]['label_tokens']} |" in card
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "x"), "--data", str(tmp_path / "nope")]) == 2

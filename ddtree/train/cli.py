@@ -97,7 +97,9 @@ def cmd_generate_data(args) -> int:
     prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else \
         build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
     prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
-    meta = {"target": Path(directory).name, "mix": args.mix or "scale", "prompts_file": args.prompts_file}
+    # the target as the user named it (the cache directory's name changes with the install)
+    meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct", "mix": args.mix or "scale",
+            "prompts_file": args.prompts_file}
     stats = generate_data(target, tokenizer, prompts, args.out, settings, stops, args.heldout, meta,
                           progress=not args.no_progress, max_minutes=args.max_minutes)
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
