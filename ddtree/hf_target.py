@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Visibility
-from .config import ConfigError
+from .config import ConfigError, ModelConfig
 from .hf_cache import TreeCache
 from .target import TargetOutput
 
@@ -34,34 +34,30 @@ OPTIONS = ("the own-code backend runs llama / qwen2 / qwen3 / mistral without sl
 
 
 @dataclass(frozen=True)
-class HFTargetConfig:
-    """What the engine and drafters read of a target's shape (the fields of ModelConfig they use)."""
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...] = ()
-    rope_scaling: dict | None = None  # an untrained drafter for this target uses plain RoPE
+class HFTargetConfig(ModelConfig):
+    """The target's shape as the engine and drafters read it (ModelConfig's fields), for any architecture:
+    transformers has validated the config, and only the fields' values are used, never the own-code model."""
+
+    def __post_init__(self):
+        pass
 
     @classmethod
-    def from_hf(cls, c) -> "HFTargetConfig":
+    def from_transformers(cls, c) -> "HFTargetConfig":
         heads = c.num_attention_heads
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope.get("rope_theta"), (int, float)) else None
         eos = getattr(c, "eos_token_id", None)
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        return cls(c.model_type, c.vocab_size, c.hidden_size, getattr(c, "intermediate_size", 4 * c.hidden_size),
-                   c.num_hidden_layers, heads, getattr(c, "num_key_value_heads", None) or heads,
-                   getattr(c, "head_dim", None) or c.hidden_size // heads, getattr(c, "rms_norm_eps", 1e-6),
-                   float(theta or getattr(c, "rope_theta", None) or 10000.0),
-                   getattr(c, "max_position_embeddings", None) or 4096, eos)
+        # an untrained drafter for this target gets plain RoPE at this theta (rope_scaling None)
+        return cls(arch=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                   intermediate_size=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+                   num_layers=c.num_hidden_layers, num_heads=heads,
+                   num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+                   rope_theta=float(theta or getattr(c, "rope_theta", None) or 10000.0),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", None) or 4096,
+                   eos_token_ids=eos)
 
 
 def attention_layout(config) -> tuple[list[str], list[int | None]]:
@@ -80,8 +76,8 @@ def attention_layout(config) -> tuple[list[str], list[int | None]]:
         raise ConfigError(f"cannot read the attention layout of architecture {arch!r} ({e}); {OPTIONS}") from e
     odd = sorted(set(types) - set(ATTENTION_TYPES))
     if arch in RECURRENT_MODELS or any(t in ("linear_attention", "conv", "hybrid", "hybrid_sliding") for t in odd):
-        raise ConfigError(f"architecture {arch!r} is a hybrid / linear-attention model (layer types {sorted(set(types))}"
-                          "): its recurrent layers keep ONE state per sequence, but a tree verify needs a separate "
+        raise ConfigError(f"architecture {arch!r} is a hybrid / linear-attention model (layer types "
+                          f"{sorted(set(types))}): its recurrent layers keep ONE state per sequence, but a tree verify needs a separate "
                           "state per tree node (each node continues a different path), which ddtree does not "
                           f"implement. Options: {OPTIONS}.")
     if odd:
@@ -110,7 +106,7 @@ class HFTarget(nn.Module):
         super().__init__()
         self.hf = model
         text = model.config.get_text_config()
-        self.cfg = HFTargetConfig.from_hf(text)
+        self.cfg = HFTargetConfig.from_transformers(text)
         self.layer_types, self.windows = layer_types, windows
         self._layers = list(_decoder_layers(model, self.cfg.num_layers))  # a plain list: not re-registered
         self.backend = f"hf:{model.config._attn_implementation}"  # which backend, and the model's attention

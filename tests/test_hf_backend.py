@@ -21,9 +21,12 @@ ARCHS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48),
     # sliding window + attention sinks + MoE; a window of 6 is far shorter than prompt + output (and than a
     # depth-7 tree path), so both the cache trimming and the in-tree window are exercised
-    "gpt_oss": dict(sliding_window=6, num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                         rope_theta=150000.0, beta_fast=32.0, beta_slow=1.0, truncate=False)),
     # alternating sliding (window 5) / full layers, attention and final-logit soft-capping, eager attention
-    "gemma2": dict(sliding_window=5, attn_logit_softcapping=20.0, final_logit_softcapping=10.0, query_pre_attn_scalar=16),
+    "gemma2": dict(sliding_window=5, attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+                   query_pre_attn_scalar=16),
     # every layer sliding (window 7), no layer_types: one mask for all layers, SDPA
     "phi3": dict(sliding_window=7),
 }
@@ -139,3 +142,39 @@ def test_refusals(hf_dirs, tmp_path):
         load_target(hf_dirs["gpt_oss"], torch.float32, "cpu", backend="own")
     with pytest.raises(ConfigError, match="unknown target backend"):
         load_target(hf_dirs["llama"], torch.float32, "cpu", backend="vllm")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_tap_features_are_the_decoder_layer_outputs(hf_dirs, arch):
+    """Hooked tap features = the model's own hidden_states[l + 1] (layers before the last, whose entry HF may
+    give after the final norm), for a prefill and for a tree pass; on Llama they also equal the own code's."""
+    from ddtree.attention import Visibility
+    from ddtree.tree import ancestor_matrix
+
+    target = load_target(hf_dirs[arch], torch.float32, "cpu", backend="hf")
+    ids = torch.tensor([5, 17, 3, 42, 8, 8, 61, 2, 30, 11, 9, 70])
+    cache = target.new_cache(32)
+    out = target(ids, torch.arange(12), cache, Visibility.causal(0, 12, "cpu"), tap_layers=(0,))
+    own = target.hf(input_ids=ids[None], output_hidden_states=True)
+    torch.testing.assert_close(out.taps, own.hidden_states[1][0])
+    torch.testing.assert_close(out.logits, own.logits[0])
+    # a tree over the last 4 tokens: root 8 -> {2 -> 30, 61}; node i must see the path to it only
+    cache.reset()
+    target(ids[:8], torch.arange(8), cache, Visibility.causal(0, 8, "cpu"))
+    cache.commit(8)
+    parents, depths = [-1, 0, 1, 0], [0, 1, 2, 1]
+    import numpy as np
+    anc = torch.from_numpy(ancestor_matrix(np.array(parents), np.array(depths)))
+    tree = torch.tensor([8, 2, 30, 61])
+    out = target(tree, 8 + torch.tensor(depths), cache, Visibility(8, anc), tap_layers=(0,))
+    path = target.hf(input_ids=torch.cat([ids[:8], tree[:3]])[None], output_hidden_states=True)
+    torch.testing.assert_close(out.taps[:3], path.hidden_states[1][0, 8:])
+    torch.testing.assert_close(out.logits[:3], path.logits[0, 8:])
+    branch = target.hf(input_ids=torch.cat([ids[:8], tree[:1], tree[3:]])[None]).logits[0, -1]
+    torch.testing.assert_close(out.logits[3], branch)
+    if arch == "llama":
+        own_target = load_target(hf_dirs[arch], torch.float32, "cpu", backend="own")
+        ref = own_target(ids, torch.arange(12), own_target.new_cache(12), Visibility.causal(0, 12, "cpu"),
+                         tap_layers=(0,))
+        torch.testing.assert_close(target(ids, torch.arange(12), target.new_cache(12),
+                                          Visibility.causal(0, 12, "cpu"), tap_layers=(0,)).taps, ref.taps)
