@@ -147,8 +147,8 @@ def own_code_gap(directory: Path, raw: dict) -> str | None:
     try:
         cfg = ModelConfig.from_hf(raw)
         Rotary(cfg)  # RoPE types the own code cannot compute are refused here
-    except (ConfigError, ValueError) as e:
-        return str(e)
+    except (ConfigError, ValueError, KeyError) as e:  # KeyError: a field the own code needs is missing
+        return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
     from transformers import AutoConfig
 
     from .hf_target import attention_layout
