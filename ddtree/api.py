@@ -87,15 +87,18 @@ class Pair:
                             lambda: self.logits_after(prompt_ids, tokens, every=True))
 
 
-def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto") -> Pair:
+def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
+         backend: str = "auto") -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on CUDA and on
-    CPUs with bf16 matrix units, else fp32; see loading.default_dtype)."""
+    CPUs with bf16 matrix units, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
+    where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
+    which ran."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = default_dtype(device) if dtype is None else parse_dtype(dtype)
     directory = resolve_target_dir(target)
-    tgt = load_target(directory, dtype, device, attention_backend)
+    tgt = load_target(directory, dtype, device, attention_backend, backend)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, attention_backend).bind(tgt)

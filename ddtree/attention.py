@@ -19,11 +19,14 @@ class Visibility:
 
     ancestors: bool [N, N], ancestors[i, j] = new row j is visible to new row i (ancestor-or-self in a tree,
     j <= i for a causal chain). None means every new row sees every new row (the drafter's block, or N = 1).
+    past: bool [N, past_len], which past rows each new row sees; None (the usual case) means all of them. Only a
+    sliding-window drafter layer sets it, and such a pass runs on SDPA (the Triton kernel sees the whole past).
     """
 
-    def __init__(self, past_len: int, ancestors: torch.Tensor | None):
+    def __init__(self, past_len: int, ancestors: torch.Tensor | None, past: torch.Tensor | None = None):
         self.past_len = past_len
         self.ancestors = ancestors
+        self.past = past
         self._dense: dict[int, torch.Tensor] = {}
         self._bits: torch.Tensor | None = None
 
@@ -35,12 +38,14 @@ class Visibility:
 
     def dense(self, group: int) -> torch.Tensor | None:
         """Boolean SDPA mask [group * N, past_len + N] for GQA queries folded as [Hkv, group * N, D]."""
-        if self.ancestors is None:
+        if self.ancestors is None and self.past is None:
             return None
         if group not in self._dense:
-            n = self.ancestors.shape[0]
-            past = torch.ones(n, self.past_len, dtype=torch.bool, device=self.ancestors.device)
-            self._dense[group] = torch.cat([past, self.ancestors], dim=1).repeat(group, 1)
+            ref = self.ancestors if self.ancestors is not None else self.past
+            n, device = ref.shape[0], ref.device
+            past = self.past if self.past is not None else torch.ones(n, self.past_len, dtype=torch.bool, device=device)
+            new = self.ancestors if self.ancestors is not None else torch.ones(n, n, dtype=torch.bool, device=device)
+            self._dense[group] = torch.cat([past, new], dim=1).repeat(group, 1)
         return self._dense[group]
 
     def bits(self, n: int, device) -> torch.Tensor:
@@ -51,6 +56,17 @@ class Visibility:
             vis = self.ancestors if self.ancestors is not None else torch.ones(n, n, dtype=torch.bool, device=device)
             self._bits = pack_ancestor_bits(vis)
         return self._bits
+
+
+def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
+    """bool [Nq, Nk]: may the query at position q_pos[i] see the key at position k_pos[j], by position alone?
+    Causal: k <= q. A sliding window keeps q - k < window, and for non-causal attention also k - q < window
+    (Hugging Face's convention: a window of w spans w positions, the query's own included)."""
+    d = q_pos[:, None] - k_pos[None, :]  # [Nq, Nk]
+    visible = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+    if window is not None:
+        visible = visible & (d < window) if causal else visible & (d.abs() < window)
+    return visible
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -72,7 +88,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, backend: str) -> torch.Tensor:
     """q [Hq, N, D]; k, v [Hkv, past_len + N, D] (views of the cache). Returns [Hq, N, D]."""
     hq, n, d = q.shape
-    if backend == "triton":
+    if backend == "triton" and vis.past is None:
         from .kernels.tree_attention import tree_attention
 
         # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key

@@ -16,6 +16,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (default: triton on CUDA, sdpa elsewhere)")
+    p.add_argument("--backend", default="auto", choices=["auto", "own", "hf"],
+                   help="target backend: own-code model (llama/qwen2/qwen3/mistral) or any Hugging Face causal LM "
+                        "(default: own where it covers the architecture, else hf)")
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import api
         from .compare import compare as run_compare
 
-        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
+        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         if args.command == "generate":
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n[{s.method}{f' budget {s.budget}' if s.method == 'ddtree' else ''}] {s.new_tokens} tokens in "
                   f"{s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s, tau {s.tau:.2f}, "
                   f"TTFT {s.time_to_first_token * 1000:.0f} ms, stop: {s.stop_reason}, attention: "
-                  f"{s.attention_backend}, drafter: {s.drafter or '-'}", file=sys.stderr)
+                  f"{s.attention_backend}, backend: {s.backend}, drafter: {s.drafter or '-'}", file=sys.stderr)
             stages = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s.stage_seconds.items())
             print(f"stages: {stages}", file=sys.stderr)
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import Visibility, attend, resolve_backend
+from .attention import Visibility, attend, resolve_backend, window_visible
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary
@@ -31,14 +31,32 @@ def default_tap_layers(num_target_layers: int, num_draft_layers: int) -> list[in
     return [round(lo + i * (hi - lo) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+# dflash_config keys this drafter reads and applies; any other key may change the computation, so it is refused.
+DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size", "use_swa", "swa_window_size", "causal")
+# Published keys (reference DFlash code) that change the computation unless they hold the identity value.
+IDENTITY_KEYS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
+    """Attention options of newer published drafters (all default to the original: every layer full and
+    non-causal over [context ; block]). Two published conventions:
+    - `layer_types` + `sliding_window` (a Qwen3 config, window in effect when `use_sliding_window`): a
+      "sliding_attention" layer is CAUSAL and sees keys with q - k < window;
+    - dflash_config `use_swa` + `swa_window_size`: sliding layers (all layers when `layer_types` is absent) see
+      keys with |q - k| < window, NON-causal.
+    dflash_config `causal` (or a top-level `is_causal`) overrides the causality of every layer."""
     model: ModelConfig  # the draft layers' shape (a Qwen3 decoder; hidden_size = the target's)
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
     draft_vocab_size: int | None = None  # a reduced draft vocabulary (own lm_head + d2t); None = the target's
+    layer_types: tuple[str, ...] = ()  # one per draft layer; () = all "full_attention"
+    sliding_window: int | None = None  # window of sliding layers (layer_types convention); None = no window
+    swa_window: int | None = None  # use_swa's window (swa_window_size); None = use_swa off
+    causal: bool | None = None  # override for every layer; None = each layer type's default
 
     @property
     def reduced_vocab(self) -> bool:
@@ -54,26 +72,54 @@ class DrafterConfig:
             raise ConfigError("drafter target_layer_ids is empty")
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise ConfigError(f"drafter target_layer_ids has duplicates: {list(self.target_layer_ids)}")
+        if self.layer_types and len(self.layer_types) != self.model.num_layers:
+            raise ConfigError(f"drafter layer_types has {len(self.layer_types)} entries for "
+                              f"{self.model.num_layers} layers")
+        if bad := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ConfigError(f"drafter layer_types {bad} are not supported; known: {', '.join(LAYER_TYPES)}")
+        for name in ("sliding_window", "swa_window"):
+            if (w := getattr(self, name)) is not None and (not isinstance(w, int) or w < 1):
+                raise ConfigError(f"drafter {name} must be a positive integer, got {w!r}")
+        if self.causal is not None and not isinstance(self.causal, bool):
+            raise ConfigError(f"drafter causal must be true or false, got {self.causal!r}")
+
+    def layer_attention(self, i: int) -> tuple[int | None, bool]:
+        """(window or None, causal) of draft layer i over [context ; block]."""
+        sliding = (self.layer_types[i] == "sliding_attention" if self.layer_types else self.swa_window is not None)
+        window = (self.swa_window or self.sliding_window) if sliding else None
+        causal = (sliding and self.swa_window is None) if self.causal is None else self.causal
+        return window, causal
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
         dflash = cfg.get("dflash_config") or {}
-        if "mask_token_id" not in dflash or "block_size" not in cfg:
+        block_size = dflash.get("block_size", cfg.get("block_size"))
+        if "mask_token_id" not in dflash or block_size is None:
             raise ConfigError("not a DFlash drafter config: config.json needs block_size and "
                               "dflash_config.mask_token_id")
         model = ModelConfig.from_hf({**cfg, "model_type": "qwen3"})
         n_target = cfg.get("num_target_layers")
         ids = dflash.get("target_layer_ids") or default_tap_layers(n_target, model.num_layers)
         draft_vocab = cfg.get("draft_vocab_size")
-        return cls(model, int(cfg["block_size"]), int(dflash["mask_token_id"]), tuple(ids), int(n_target),
-                   None if draft_vocab is None else int(draft_vocab))
+        return cls(model, int(block_size), int(dflash["mask_token_id"]), tuple(ids), int(n_target),
+                   None if draft_vocab is None else int(draft_vocab),
+                   **_attention_options(cfg, dflash, model.num_layers))
 
     def to_hf(self) -> dict:
         out = self.model.to_hf()
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        for key in ("layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "is_causal"):
+            out.pop(key, None)  # written below from the parsed options, never copied stale from the raw config
+        if self.layer_types:
+            out["layer_types"] = list(self.layer_types)
+        if self.sliding_window is not None:
+            out.update(sliding_window=self.sliding_window, use_sliding_window=True)
+        if self.swa_window is not None:
+            dflash.update(use_swa=True, swa_window_size=self.swa_window)
+        if self.causal is not None:
+            dflash["causal"] = self.causal
         out.update(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=self.block_size,
-                   num_target_layers=self.num_target_layers, tie_word_embeddings=False,
-                   dflash_config={"mask_token_id": self.mask_token_id,
-                                  "target_layer_ids": list(self.target_layer_ids)})
+                   num_target_layers=self.num_target_layers, tie_word_embeddings=False, dflash_config=dflash)
         if self.reduced_vocab:  # EAGLE-3 / vLLM convention: own lm_head [draft_vocab_size, H] and d2t offsets
             out["draft_vocab_size"] = self.draft_vocab_size
         return out
@@ -95,6 +141,30 @@ class DrafterConfig:
         if problems:
             raise ConfigError("drafter does not match the target: " + "; ".join(problems) +
                               ". Use a drafter trained for this target.")
+
+
+def _attention_options(cfg: dict, dflash: dict, num_layers: int) -> dict:
+    """The attention options of a published config.json (see DrafterConfig); refuses what it cannot apply."""
+    if unknown := sorted(set(dflash) - set(DFLASH_KEYS) - set(IDENTITY_KEYS)):
+        raise ConfigError(f"drafter dflash_config has keys ddtree does not understand: {unknown}. They may change "
+                          f"the drafter's computation, so it is refused rather than run wrongly (understood: "
+                          f"{', '.join(DFLASH_KEYS)})")
+    for key, identity in IDENTITY_KEYS.items():
+        value = dflash.get(key, cfg.get(key, identity))
+        if value not in (identity, 0 if identity is None else identity):
+            raise ConfigError(f"drafter option {key}={value!r} is not supported (only {identity!r})")
+    types = cfg.get("layer_types")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if types is None and window is not None:  # Qwen3's rule: layers from max_window_layers on slide
+        start = cfg.get("max_window_layers", num_layers)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(num_layers)]
+    swa = dflash.get("swa_window_size") if dflash.get("use_swa") else None
+    if dflash.get("use_swa") and swa is None:
+        raise ConfigError("drafter dflash_config sets use_swa without swa_window_size")
+    causal = dflash.get("causal", cfg.get("is_causal"))
+    if "causal" in dflash and cfg.get("is_causal") not in (None, dflash["causal"]):
+        raise ConfigError(f"drafter config has causal={dflash['causal']} but is_causal={cfg['is_causal']}")
+    return dict(layer_types=tuple(types or ()), sliding_window=window, swa_window=swa, causal=causal)
 
 
 class DFlashDrafter(nn.Module):
@@ -156,12 +226,33 @@ class DFlashDrafter(nn.Module):
         h = self.target.embed(block)  # [B, H]
         positions = torch.arange(cache.length, cache.length + length, device=h.device)
         cos, sin = self.rotary(positions, h.dtype)
-        vis = Visibility(cache.length, None)  # non-causal: the block sees all context and all of itself
         backend = resolve_backend(self.attention_backend, h.device)
+        visibility = self._visibility(positions, cache.length)
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
-            h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
+            vis = visibility[i]
+            how = backend if vis.past is None else "sdpa"  # the Triton kernel sees the whole past
+            h = layer(h, cos, sin, lambda q, k, v, i=i, vis=vis, how=how: attend(q, *cache.write(i, k, v), vis, how))
         return self.logits(self.norm(h[1:]))
+
+    def _visibility(self, positions: torch.Tensor, past_len: int) -> list[Visibility]:
+        """Per draft layer, what the block (at `positions` [B]) sees of [context (positions 0..past_len-1) ; block].
+        The original drafter: everything (non-causal, no window). Sliding / causal layers: by position."""
+        by_kind: dict[tuple, Visibility] = {}
+        out = []
+        for i in range(len(self.layers)):
+            kind = self.cfg.layer_attention(i)
+            if kind not in by_kind:
+                window, causal = kind
+                if window is None and not causal:
+                    by_kind[kind] = Visibility(past_len, None)
+                else:
+                    context = torch.arange(past_len, device=positions.device)
+                    past = window_visible(positions, context, window, causal)  # [B, past_len]
+                    by_kind[kind] = Visibility(past_len, window_visible(positions, positions, window, causal),
+                                               None if window is None else past)
+            out.append(by_kind[kind])
+        return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits over the draft vocabulary [N, draft_vocab] (the target's

@@ -201,6 +201,7 @@ class Decoder:
         budget = "auto" if getattr(method, "adaptive", False) else method.budget
         stats = GenerationStats(method.name, budget, method.block_size, m,
                                 attention_backend=resolve_backend(target.attention_backend, device),
+                                backend=getattr(target, "backend", "own"),
                                 drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
         timer = StageTimer(device)
         t0 = time.perf_counter()

@@ -8,8 +8,12 @@ import torch
 
 
 def to_hf_model(target):
-    """A transformers CausalLM holding a copy of the same weights, in the same dtype and on the same device."""
+    """A transformers CausalLM holding a copy of the same weights, in the same dtype and on the same device
+    (on the hf backend, the target's own model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    if getattr(target, "hf", None) is not None:
+        return target.hf
 
     cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)

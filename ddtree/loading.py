@@ -138,7 +138,45 @@ def resolve_target_dir(target: str | os.PathLike | None) -> Path:
     return path
 
 
-def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto") -> TargetModel:
+TARGET_BACKENDS = ("auto", "own", "hf")
+
+
+def own_code_gap(directory: Path, raw: dict) -> str | None:
+    """Why the own-code model cannot run this target (None when it can): another architecture, a config it
+    rejects, or sliding-window attention (which the own code does not implement)."""
+    try:
+        cfg = ModelConfig.from_hf(raw)
+        Rotary(cfg)  # RoPE types the own code cannot compute are refused here
+    except (ConfigError, ValueError, KeyError) as e:  # KeyError: a field the own code needs is missing
+        return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
+    from transformers import AutoConfig
+
+    from .hf_target import attention_layout
+
+    if any(w is not None for w in attention_layout(AutoConfig.from_pretrained(str(directory)))[1]):
+        return f"{cfg.arch} with sliding-window attention (not implemented by the own code)"
+    return None
+
+
+def choose_backend(directory: Path, backend: str = "auto") -> str:
+    """'own' (the fast own-code model) where it covers the architecture, else 'hf' (any transformers causal LM)."""
+    if backend not in TARGET_BACKENDS:
+        raise ConfigError(f"unknown target backend {backend!r}; choose one of {', '.join(TARGET_BACKENDS)}")
+    if backend == "hf":
+        return backend
+    gap = own_code_gap(directory, read_config(directory))
+    if gap and backend == "own":
+        raise ConfigError(f"the own-code backend cannot run this target: {gap}. Use backend 'hf' (any transformers "
+                          "causal LM with full or sliding-window attention) or 'auto'")
+    return "hf" if gap else "own"
+
+
+def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto", backend: str = "auto"):
+    """The target model: the own-code TargetModel, or the generic hf_target.HFTarget (see choose_backend)."""
+    if choose_backend(directory, backend) == "hf":
+        from .hf_target import load_hf_target
+
+        return load_hf_target(directory, dtype, device, attention_backend)
     cfg = ModelConfig.from_hf(read_config(directory))
     with torch.device("meta"):  # no random init of weights we are about to replace
         model = TargetModel(cfg, attention_backend)

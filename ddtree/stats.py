@@ -46,6 +46,7 @@ class GenerationStats:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     stop_reason: str = ""  # "eos", "max_new_tokens" or "context_limit"
     attention_backend: str = ""
+    backend: str = ""  # the target backend: "own", or "hf:<the model's attention>" (see loading.choose_backend)
     drafter: str = ""
 
     @property

@@ -29,6 +29,8 @@ class TargetOutput:
 class TargetModel(nn.Module):
     """Parameter names follow Hugging Face (model.layers.{i}..., lm_head) so HF state dicts load as they are."""
 
+    backend = "own"  # the target backend (ddtree.hf_target.HFTarget is the generic one)
+
     def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
         super().__init__()
         self.cfg = cfg

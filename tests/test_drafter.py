@@ -19,16 +19,17 @@ PUBLISHED_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         "mlp.down_proj.weight")}
 
 
-def reference_block_logits(drafter, features, bonus, start, length):
+def reference_block_logits(drafter, features, bonus, start, length, masks=None):
     """The published algorithm in one shot, no cache: every layer projects the fused context and the block
-    with its own k/v projections, keys get k_norm and RoPE at absolute positions, no causal mask."""
+    with its own k/v projections, keys get k_norm and RoPE at absolute positions, no causal mask (or, with
+    masks, layer i's dense bool mask [length, start + length] over [context ; block])."""
     target = drafter.target
     ctx = drafter.hidden_norm(drafter.fc(features))  # [start, H]
     block = torch.full((length,), drafter.cfg.mask_token_id)
     block[0] = bonus
     h = target.embed(block)
     pos_ctx, pos_blk = torch.arange(start), torch.arange(start, start + length)
-    for layer in drafter.layers:
+    for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
         cos_c, sin_c = drafter.rotary(pos_ctx, h.dtype)
@@ -39,7 +40,10 @@ def reference_block_logits(drafter, features, bonus, start, length):
         k, v = torch.cat([kc, kb], 1), torch.cat([vc, vb], 1)
         group = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        att = F.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1) @ v
+        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5
+        if masks is not None:
+            scores = scores.masked_fill(~masks[i], float("-inf"))
+        att = F.softmax(scores, dim=-1) @ v
         h = h + a.output(att)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return target.logits(drafter.norm(h[1:]))

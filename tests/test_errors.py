@@ -66,8 +66,11 @@ def test_missing_and_corrupt_target_files(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"truncated")
     with pytest.raises(ConfigError, match="corrupt"):
         ddtree.load(target=tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="model_type 'gpt2'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # the hf backend's, still corrupt
+    with pytest.raises(ConfigError, match="cannot load the 'gpt2' model"):
+        ddtree.load(target=tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "made_up_arch"}))
+    with pytest.raises(ConfigError, match="model_type 'made_up_arch'"):
         ddtree.load(target=tmp_path)
     bad = tmp_path / "model.bin"
     bad.write_bytes(b"x")
