@@ -27,11 +27,34 @@ def cache_root() -> Path:
 
 
 def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
+    """A floating dtype the models run in (a name or a torch.dtype); anything else is a ConfigError."""
+    value = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if value not in DTYPES.values():
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
-    return DTYPES[dtype]
+    return value
+
+
+def resolve_device(device) -> torch.device:
+    """The device to run on (None: cuda if available, else cpu), checked BEFORE any model is loaded."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            build = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {device!r} is not available ({build}); use device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r} does not exist: {count} CUDA GPU(s) visible "
+                              f"(cuda:0..cuda:{count - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} is not available (no Apple-silicon GPU); use device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -138,13 +161,30 @@ def resolve_target_dir(target: str | os.PathLike | None) -> Path:
     return path
 
 
+def check_shapes(module: torch.nn.Module, state: dict[str, torch.Tensor], source) -> None:
+    """A ConfigError naming every tensor whose shape differs from what the config.json implies, raised before
+    torch's own size-mismatch error (which names neither the file nor the fix)."""
+    expected = module.state_dict()
+    bad = [f"{k} is {list(v.shape)} in the weights but {list(expected[k].shape)} by config.json"
+           for k, v in state.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ConfigError(f"the weights in {source} do not match its config.json: {'; '.join(bad[:3])}{more}. "
+                          "Restore the config.json that came with these weights")
+
+
 def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto") -> TargetModel:
-    cfg = ModelConfig.from_hf(read_config(directory))
+    raw = read_config(directory)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{directory}: {e}") from None
     with torch.device("meta"):  # no random init of weights we are about to replace
         model = TargetModel(cfg, attention_backend)
     state = read_safetensors(directory)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    check_shapes(model, state, directory)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

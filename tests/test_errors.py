@@ -1,14 +1,16 @@
 """Bad input gets a clear error naming the problem and the fix."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
 import ddtree
 from ddtree.api import Pair
 from ddtree.checker import check_tokens
+from ddtree.compare import compare
 from ddtree.config import ConfigError
-from ddtree.testing import random_pair
+from ddtree.testing import char_tokenizer, random_pair, save_target
 
 
 @pytest.fixture
@@ -29,10 +31,54 @@ def pair():
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
     ({"top_k": -1}, "top_k must be"),
     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    # numbers of the wrong type are refused, never coerced (True would run budget 1, "0.9" would crash)
+    ({"method": "ddtree", "budget": True}, "budget must be an integer >= 1"),
+    ({"method": "dflash", "block_size": 2.5}, "block_size must be an integer, got 2.5"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
+    ({"top_p": "0.9"}, "top_p must be a finite number, got '0.9'"),
+    ({"top_k": 2.5}, "top_k must be an integer, got 2.5"),
+    ({"temperature": True}, "temperature must be a finite number, got True"),
+    ({"temperature": "1"}, "temperature must be a finite number"),
+    ({"temperature": 1.0, "seed": "x"}, "seed must be an integer, got 'x'"),
+    ({"temperature": 1.0, "seed": 1.5}, "seed must be an integer, got 1.5"),
 ])
 def test_bad_generation_arguments(pair, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         pair.generate([1, 2, 3], **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [5, None, True, b"\x01\x02", bytearray(b"\x01"), {1: 2}, [True, False], [1.5, 2],
+                                    ["1", "2"], [[1, 2]]], ids=repr)
+def test_prompts_that_are_not_text_or_token_ids(pair, prompt):
+    """bytes, dicts and bools were read as token ids (b"ab" -> [97, 98]); ints and None raised a TypeError."""
+    with pytest.raises(ConfigError, match="the prompt must be a string or a list of integer token ids"):
+        pair.generate(prompt, max_new_tokens=2)
+
+
+def test_token_ids_as_tuple_array_or_tensor(pair):
+    ref = pair.generate([1, 2, 3], method="ar", max_new_tokens=3).token_ids
+    for ids in ((1, 2, 3), np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), 2, 3]):
+        assert pair.generate(ids, method="ar", max_new_tokens=3).token_ids == ref
+
+
+def test_prompt_with_a_lone_surrogate():
+    target, drafter = random_pair("llama", seed=1)
+    pair = Pair(target, drafter, char_tokenizer())
+    with pytest.raises(ConfigError, match="not valid Unicode .*surrogate.* at character 2"):
+        pair.generate("ab\udcff", max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prompts,message", [
+    ([], "prompts is empty"),
+    ("List three colors.", "prompts must be a list of prompts, got str"),  # was: one prompt per character
+    (None, "prompts must be a list of prompts, got NoneType"),
+])
+def test_bad_compare_prompts(pair, prompts, message):
+    with pytest.raises(ConfigError, match=message):
+        compare(pair, prompts, methods=["ar"], max_new_tokens=2, show=False)
+    with pytest.raises(ConfigError, match="seed must be an integer"):
+        compare(pair, [[1, 2]], methods=["ar"], seed="x", warmup=False, show=False)
 
 
 def test_bad_prompts(pair):
@@ -124,3 +170,66 @@ def test_cli_reports_config_errors(capsys):
     assert main(["generate", "hi", "--target", "/nonexistent/model"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["compare", "hi", "--target", "/nonexistent/model"]) == 2
+
+
+# --- loading: checked before the model load, named mismatches instead of torch's size errors -----------------
+@pytest.mark.parametrize("device,message", [
+    pytest.param("cuda", "device 'cuda' is not available", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="CUDA is available here")),
+    pytest.param("mps", "device 'mps' is not available", marks=pytest.mark.skipif(
+        torch.backends.mps.is_available(), reason="MPS is available here")),
+    ("gpu", "unknown device 'gpu'"),
+    ("meta", "device 'meta' is not supported"),
+])
+def test_unusable_device_fails_before_loading(device, message):
+    # the target does not exist: the device error must come first, i.e. before any model is loaded
+    with pytest.raises(ConfigError, match=message):
+        ddtree.load(target="/nonexistent", device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.complex64, "int8", 16])
+def test_non_float_dtype(dtype):
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        ddtree.load(target="/nonexistent", dtype=dtype)
+
+
+@pytest.fixture
+def model_dirs(tmp_path):
+    """A saved tiny target and a drafter for it (published format)."""
+    target, drafter = random_pair("llama", seed=1, num_draft_layers=2)
+    drafter.save(tmp_path / "drafter")
+    return save_target(target, tmp_path / "target"), tmp_path / "drafter"
+
+
+def _edit_json(path, **changes):
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    for k in [k for k, v in changes.items() if v is None]:
+        del cfg[k]
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+def test_target_config_that_does_not_match_its_weights(model_dirs):
+    target_dir, _ = model_dirs
+    assert ddtree.load(target=target_dir).target.cfg.hidden_size == 64
+    _edit_json(target_dir / "config.json", hidden_size=None)
+    with pytest.raises(ConfigError, match=r"config.json lacks hidden_size: restore"):
+        ddtree.load(target=target_dir)
+    _edit_json(target_dir / "config.json", hidden_size=128)
+    with pytest.raises(ConfigError, match=r"do not match its config.json: model.embed_tokens.weight is \[96, 64\] in "
+                                          r"the weights but \[96, 128\] by config.json"):
+        ddtree.load(target=target_dir)
+
+
+def test_drafter_that_does_not_match_the_target(model_dirs):
+    target_dir, drafter_dir = model_dirs
+    assert ddtree.load(target=target_dir, draft=drafter_dir).drafter.cfg.model.num_layers == 2
+    config = json.loads((drafter_dir / "config.json").read_text())
+    _edit_json(drafter_dir / "config.json", hidden_size=128)  # the project's check, not torch's size mismatch
+    with pytest.raises(ConfigError, match="drafter does not match the target: hidden_size 128 != target's 64"):
+        ddtree.load(target=target_dir, draft=drafter_dir)
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    _edit_json(drafter_dir / "config.json", dflash_config={**config["dflash_config"], "target_layer_ids": [1, 2, 3]})
+    with pytest.raises(ConfigError, match=r"fc.weight is \[64, 128\] in the weights but \[64, 192\] by config.json"):
+        ddtree.load(target=target_dir, draft=drafter_dir)
