@@ -6,12 +6,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 from .config import ConfigError, ModelConfig
+from .files import checksum, output_dir, replacing_dir, stat_stamp
 from .layers import Rotary
 from .target import TargetModel
 
@@ -113,37 +115,101 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# 2: a conversion records checksums of its files (CACHE_MANIFEST). Conversions made before carry none: the
+# format is part of the cache key, so they are not reused (and can be deleted; see the README's "Caches").
+CACHE_FORMAT = 2
+CACHE_MANIFEST = "ddtree-cache.json"
+STAMP_SETTLE_NS = 2_000_000_000
+
+
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory."""
+    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory, with
+    SHA-256 checksums of its files; a cache that fails them is converted again. The cached model IS the target:
+    a silently changed one would change every result. See verify_cache for what a load costs."""
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha1(f"{CACHE_FORMAT}:{source['path']}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / f"{path.stem}-{key}"
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
-        return out
+    if out.exists():
+        problems = verify_cache(out)
+        if not problems:
+            return out
+        print(f"ddtree: the cached conversion {out} is damaged ({'; '.join(problems)}); converting again",
+              file=sys.stderr, flush=True)
+    # Checked before the conversion's ~20 s, not after it.
+    output_dir(cache_root(), "the model cache", "set DDTREE_CACHE to a writable directory")
+    print(f"ddtree: converting {path.name} to safetensors (once; cached in {out})", file=sys.stderr, flush=True)
+    model, tok = read_gguf(path)
     from safetensors.torch import save_file
+
+    try:
+        with replacing_dir(out) as tmp:
+            cfg = model.config.to_dict()
+            cfg.pop("quantization_config", None)
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if cfg.get("tie_word_embeddings"):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            if tok is not None:
+                tok.save_pretrained(str(tmp))
+            model.generation_config.save_pretrained(str(tmp))
+            files = {p.name: checksum(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            _write_manifest(tmp, {"format": CACHE_FORMAT, "source": source, "files": files})
+    except OSError as e:
+        raise ConfigError(f"cannot write the cached conversion {out} ({e}): check the free space, or delete it "
+                          f"(rm -rf '{out}') and run again") from e
+    return out
+
+
+def read_gguf(path: Path):
+    """(transformers model in fp32, tokenizer) dequantized from a GGUF file; tests replace this with a tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"ddtree: converting {path.name} to safetensors (once; cached in {out})", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad file
         raise ConfigError(f"cannot load GGUF {path} ({type(e).__name__}: {e}); is the file complete?") from e
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(str(tmp))
-    model.generation_config.save_pretrained(str(tmp))
-    if out.exists():  # an incomplete earlier conversion
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return model, tok
+
+
+def verify_cache(directory: Path) -> list[str]:
+    """What is wrong with a cached conversion (empty: nothing). The files' SHA-256 are compared with those
+    taken at conversion whenever their stat stamps (size, mtime, ctime, inode) differ from the ones recorded
+    when the content was last found intact; any write to a file changes its ctime. So a load of an untouched
+    cache costs a few stat calls, and a changed (or copied) one a full hash: ~0.35 s for SmolLM2's 538 MB."""
+    try:
+        manifest = json.loads((directory / CACHE_MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"no readable {CACHE_MANIFEST}: an interrupted or older conversion"]
+    if "model.safetensors" not in files:
+        return [f"{CACHE_MANIFEST} lists no model.safetensors"]
+    stamps = {name: stat_stamp(directory / name) for name in files}
+    if all(stamps.values()) and manifest.get("stamps") == stamps:
+        return []
+    problems = [f"{name} is missing" if stamps[name] is None else f"{name} has changed"
+                for name, digest in files.items() if stamps[name] is None or checksum(directory / name) != digest]
+    if not problems:
+        try:  # intact: remember these stamps, so the next load need not hash again
+            _write_manifest(directory, manifest)
+        except OSError:  # a read-only cache: verified by hash on every load
+            pass
+    return problems
+
+
+def _write_manifest(directory: Path, manifest: dict) -> None:
+    """The manifest with the current stat stamps of its files (taken after they were hashed). A stamp younger
+    than STAMP_SETTLE_NS is not recorded: file times tick coarsely (~4 ms), so a write right after it could
+    leave it unchanged (git's "racy clean" problem); that file is hashed again on the next load instead."""
+    now = time.time_ns()
+    stamps = {name: stat_stamp(directory / name) for name in manifest["files"]}
+    manifest = {**manifest, "stamps": {name: st if st and now - max(st[1], st[2]) > STAMP_SETTLE_NS else None
+                                       for name, st in stamps.items()}}
+    tmp = directory / (CACHE_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, directory / CACHE_MANIFEST)
 
 
 def resolve_target_dir(target: str | os.PathLike | None) -> Path:

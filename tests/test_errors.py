@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the problem and the fix."""
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,8 @@ from ddtree.api import Pair
 from ddtree.checker import check_tokens
 from ddtree.compare import compare
 from ddtree.config import ConfigError
+from ddtree.files import checksum
+from ddtree.loading import resolve_target_dir, verify_cache
 from ddtree.testing import char_tokenizer, random_pair, save_target
 
 
@@ -233,3 +237,117 @@ def test_drafter_that_does_not_match_the_target(model_dirs):
     _edit_json(drafter_dir / "config.json", dflash_config={**config["dflash_config"], "target_layer_ids": [1, 2, 3]})
     with pytest.raises(ConfigError, match=r"fc.weight is \[64, 128\] in the weights but \[64, 192\] by config.json"):
         ddtree.load(target=target_dir, draft=drafter_dir)
+
+
+# --- the dequantized GGUF cache: checksummed at conversion, verified on every load ---------------------------
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """A .gguf path whose "dequantization" is a tiny seeded model (the real one takes ~20 s), in a private
+    DDTREE_CACHE. Returns (path, list of conversions done)."""
+    from ddtree import loading
+    from ddtree.hf_baseline import to_hf_model
+
+    conversions = []
+
+    def read_gguf(path):
+        conversions.append(path)
+        target, _ = random_pair("llama", seed=1)
+        return to_hf_model(target), char_tokenizer()
+
+    monkeypatch.setattr(loading, "read_gguf", read_gguf)
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.Q4.gguf"
+    path.write_bytes(b"GGUF")
+    return path, conversions
+
+
+def _cached(fake_gguf):
+    return resolve_target_dir(fake_gguf[0])
+
+
+def _greedy(target_path) -> list[int]:
+    pair = ddtree.load(target=target_path, device="cpu", dtype="float32")
+    return pair.generate("Hello there", method="ar", max_new_tokens=6).token_ids
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "delete the checksums"])
+def test_damaged_cache_is_detected_and_rebuilt(fake_gguf, damage, capsys):
+    path, conversions = fake_gguf
+    reference = _greedy(path)
+    cached = _cached(fake_gguf)
+    assert len(conversions) == 1 and (cached / "ddtree-cache.json").is_file()
+    assert _greedy(path) == reference and len(conversions) == 1  # verified, not converted again
+    weights = cached / "model.safetensors"
+    original = weights.read_bytes()
+    data = bytearray(original)
+    if damage == "flip a byte":  # same size: loads fine and changes the model unless the checksum catches it
+        data[-5] ^= 0x40
+        weights.write_bytes(bytes(data))
+    elif damage == "truncate":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:  # e.g. a cache written by an older version, or a conversion killed before it finished
+        (cached / "ddtree-cache.json").unlink()
+    capsys.readouterr()
+    assert _greedy(path) == reference and len(conversions) == 2
+    err = capsys.readouterr().err
+    assert f"the cached conversion {cached} is damaged" in err and "converting again" in err
+    assert weights.read_bytes() == original and not verify_cache(cached)
+
+
+def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
+    """A load checks stat stamps; the files are hashed again only when a stamp changed (any write changes it)."""
+    from ddtree import loading
+
+    monkeypatch.setattr(loading, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
+    hashed = []
+    monkeypatch.setattr(loading, "checksum", lambda p: hashed.append(Path(p).name) or checksum(p))
+    cached = _cached(fake_gguf)
+    assert "model.safetensors" in hashed  # at conversion
+    done = len(hashed)
+    assert _cached(fake_gguf) == cached and len(hashed) == done  # untouched: a few stat calls, no hashing
+    weights = cached / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # touched (e.g. copied), same bytes
+    assert _cached(fake_gguf) == cached and "model.safetensors" in hashed[done:]
+    assert len(fake_gguf[1]) == 1  # intact: verified by hash, not converted again
+    done = len(hashed)
+    assert _cached(fake_gguf) == cached and len(hashed) == done  # its new stamps were recorded
+
+
+def test_unwritable_cache_fails_before_converting(fake_gguf, tmp_path, monkeypatch):
+    path, conversions = fake_gguf
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DDTREE_CACHE", str(blocker / "cache"))
+    with pytest.raises(ConfigError, match="the model cache .* cannot be written .*set DDTREE_CACHE to a writable"):
+        ddtree.load(target=path)
+    assert not conversions  # refused before the (slow) conversion, not after it
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_cache_fails_before_converting(fake_gguf, tmp_path, monkeypatch):
+    path, conversions = fake_gguf
+    cache = tmp_path / "ro"
+    cache.mkdir()
+    cache.chmod(0o500)
+    monkeypatch.setenv("DDTREE_CACHE", str(cache))
+    try:
+        with pytest.raises(ConfigError, match="cannot be written"):
+            ddtree.load(target=path)
+    finally:
+        cache.chmod(0o700)
+    assert not conversions
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+def test_generate_json_is_json_on_a_first_run(fake_gguf, capsys):
+    """The first run converts the GGUF: that notice goes to stderr, stdout stays one JSON object."""
+    from ddtree.cli import main
+
+    path, conversions = fake_gguf
+    assert main(["generate", "Hello", "--target", str(path), "--json", "--max-new-tokens", "4", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    out, err = capsys.readouterr()
+    assert len(conversions) == 1 and "converting tiny.Q4.gguf" in err
+    assert len(json.loads(out)["token_ids"]) == 4
