@@ -1,8 +1,11 @@
 """Files the project writes and reads, handled so that bad input cannot destroy work or hide a problem:
-output directories checked before any work starts, directories replaced whole (never left half-written) and checksums of cached conversions."""
+output directories checked before any work starts, directories replaced whole (never left half-written),
+JSON Lines whose errors name the file and line, and checksums of cached conversions."""
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import mmap
 import os
 import shutil
@@ -51,6 +54,29 @@ def replacing_dir(dest: Path):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)  # only now: the new directory is in place
+
+
+def read_jsonl(path, fix: str = "") -> list[tuple[int, object]]:
+    """(line number, value) for every non-blank line of a JSONL (or .jsonl.gz) file; a ConfigError naming the
+    file and line for one that is not JSON, followed by `fix` (what to do about it) when given."""
+    fix = f"; {fix}" if fix else ""
+    path = Path(path)
+    out = []
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        else:
+            lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}){fix}") from None
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append((number, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno}){fix}") from None
+    return out
 
 
 def checksum(path) -> str:
