@@ -309,3 +309,37 @@ def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):
     assert trainer.run() == "done"
     assert drafter.fc.weight.dtype == torch.float32
     assert DFlashDrafter.load(tmp_path / "run" / "drafter").cfg.block_size == 8
+
+
+# --- resuming and exporting never repeat or destroy work ------------------------------------------------------
+def _log(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypatch):
+    from ddtree.train import cli
+
+    target, data = tiny_data
+    run, out = tmp_path / "run", tmp_path / "drafter"
+    Trainer(_config(epochs=1, max_steps=1, val_sequences=0), target, _new_drafter(target),
+            read_sequences(data, "train")[:4], run).run()
+    assert cli.main(["export", "--run", str(run), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors", "README.md"}
+    assert cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32"]) == 2  # needs --force
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def broken_card(*args):  # an export that fails half-way (after the weights were written)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("ddtree.train.card.model_card", broken_card)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32", "--force"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old drafter is whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "run"]  # no staging directory left behind
+    monkeypatch.undo()
+    assert cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32", "--force"]) == 0
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]  # now fp32
+    assert DFlashDrafter.load(out).fc.weight.dtype == torch.float32
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "a-file")]) == 2

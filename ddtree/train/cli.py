@@ -3,7 +3,7 @@
     python -m ddtree train generate-data --out data/smollm2-v2 --num-prompts 10000 --max-minutes 100
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --resume          # next 2-hour chunk
-    python -m ddtree train export --run runs/l1 --out ddtree/assets/smollm2-135m-dflash
+    python -m ddtree train export --run runs/l1 --out drafters/l1     # --force to replace a drafter there
 Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, cli_int
-from ..files import output_dir, read_jsonl
+from ..files import output_dir, read_jsonl, replacing_dir
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -215,23 +215,29 @@ def cmd_fit(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from ..loading import parse_dtype
+    from .card import model_card
     from .trainer import CHECKPOINT, drafter_from_checkpoint
 
     path = Path(args.run)
     path = path / CHECKPOINT if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}")
-    from ..loading import parse_dtype
-
     if args.data is not None and not Path(args.data).is_dir():
         raise ConfigError(f"--data {args.data} is not a directory")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise ConfigError(f"--out {out} is not empty ({held}): pass --force to replace it, or choose a new directory")
+    dtype = parse_dtype(args.dtype)
     drafter, state = drafter_from_checkpoint(path)
-    drafter.save(args.out, parse_dtype(args.dtype))
-    from .card import model_card
-
-    name = args.name or Path(args.out).name
-    (Path(args.out) / "README.md").write_text(model_card(state, path.parent, args.data and Path(args.data), args.dtype,
-                                                         name))
+    output_dir(out.parent, "the parent of --out")
+    with replacing_dir(out) as tmp:  # a failed export leaves what --out held untouched
+        drafter.save(tmp, dtype)
+        card = model_card(state, path.parent, args.data and Path(args.data), args.dtype, args.name or out.name)
+        (tmp / "README.md").write_text(card)
     print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
           f"{drafter.cfg.block_size}, {args.dtype}) written to {args.out}")
     return 0
@@ -312,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "drafters ship; loading casts to the engine's dtype)")
     e.add_argument("--data", help="the run's generate-data directory: the model card (README.md) then lists it")
     e.add_argument("--name", help="title of the model card (default: the --out directory's name)")
+    e.add_argument("--force", action="store_true", help="replace what --out holds (e.g. an earlier export)")
     return parser
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..drafter import DFlashDrafter, DrafterConfig
 from .data import Sequence
 from .model import DraftLoss, sample_anchors, target_features
@@ -344,7 +345,13 @@ class _null:
 
 
 def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    not_one = f"is not a training checkpoint: pass a `train fit` run directory or its {CHECKPOINT}"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - unpickling a file that is no checkpoint fails in many ways
+        raise ConfigError(f"{path} {not_one} ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"drafter", "drafter_config", "step", "config"} <= set(state):
+        raise ConfigError(f"{path} {not_one} (it holds no drafter state)")
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["drafter_config"]))
     drafter.load_state_dict(state["drafter"])
     if target is not None:
