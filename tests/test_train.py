@@ -316,6 +316,47 @@ def _log(run) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
+def test_resume_logs_each_step_once_and_does_not_evaluate_a_finished_run_again(tiny_data, tmp_path):
+    target, data = tiny_data
+    train, heldout = read_sequences(data, "train")[:8], read_sequences(data, "heldout")
+    cfg = _config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=1)
+    run = tmp_path / "run"
+    Trainer(replace(cfg, max_steps=2), target, _new_drafter(target), train, run, heldout).run()
+    # killed after logging step 3 (and half of a line) but before its checkpoint: step 3 is trained again
+    with open(run / "log.jsonl", "a") as f:
+        f.write(json.dumps({**_log(run)[-1], "step": 3}) + "\n" + '{"kind": "tr')
+
+    def resume():
+        drafter, state = drafter_from_checkpoint(run / "checkpoint.pt", target)
+        trainer = Trainer(resume_config(state["config"], cfg), target, drafter.requires_grad_(True), train, run,
+                          heldout)
+        trainer.load_state(state)
+        return trainer.run()
+
+    assert resume() == "done"
+    steps = [r["step"] for r in _log(run) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    evals = [r for r in _log(run) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4] and evals[0]["tau_prompts"] == "heldout"
+    before = _log(run)
+    assert resume() == "done"
+    assert _log(run) == before  # the finished run once more: nothing trained, step 4 not evaluated again
+
+
+def test_tau_on_training_prompts_is_labelled(tiny_data, tmp_path):
+    """Without held-out sequences tau can only be measured on training prompts: the log and the card say so."""
+    from ddtree.train.card import model_card
+
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:4]
+    trainer = Trainer(_config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=0), target,
+                      _new_drafter(target), train, tmp_path / "run", heldout=[])
+    trainer.run()
+    assert [r["tau_prompts"] for r in _log(tmp_path / "run") if r["kind"] == "eval"] == ["train"]
+    card = model_card(trainer.state(), tmp_path / "run", None, "float32", "t")
+    assert "## Training curve" in card and "TRAINING prompts" in card and "held-out prompts" not in card
+
+
 def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypatch):
     from ddtree.train import cli
 
