@@ -25,6 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ddtree.benchmark import load_records, summarize  # noqa: E402
 from ddtree.compare import parse_method  # noqa: E402
+from ddtree.config import ConfigError  # noqa: E402
+from ddtree.files import output_dir  # noqa: E402
 from ddtree.stats import STAGES  # noqa: E402
 
 STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
@@ -165,8 +167,11 @@ def main(argv=None) -> int:
         print(f"error: no benchmark records in {results} (run `bash run_benchmark.sh --out {results}` first)",
               file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else results / "plots"
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out = output_dir(args.out or results / "plots", "the plot directory" if args.out is None else "--out")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     specs = method_order(records)
     rows = summarize(records, specs)
     cells = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .attention import Visibility
@@ -12,8 +13,8 @@ from .checker import Verdict, check_tokens
 from .config import ConfigError, SamplingParams
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, make_method
-from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_target_dir,
-                      stop_token_ids)
+from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
+                      resolve_target_dir, stop_token_ids)
 from .stats import GenerationStats
 
 
@@ -46,6 +47,11 @@ class Pair:
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError("the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from decoding bytes with surrogateescape
+                raise ConfigError(f"the prompt is not valid Unicode ({e.reason} at character {e.start}); fix the "
+                                  "text, e.g. text.encode('utf-8', 'replace').decode('utf-8')") from None
             if self.tokenizer is None:
                 raise ConfigError("this target has no tokenizer: pass the prompt as a list of token ids")
             if chat and getattr(self.tokenizer, "chat_template", None):
@@ -54,9 +60,14 @@ class Pair:
                 ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
                 return list(ids)
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids or not all(isinstance(t, int) or (hasattr(t, "__index__")) for t in ids):
-            raise ConfigError("the prompt must be a non-empty string or a non-empty list of token ids")
+        # Token ids come as a list/tuple (or a 1-D tensor/array) of integers. Anything else that happens to be
+        # iterable (bytes, a dict, a bool, a string's characters) is refused, not read as token ids.
+        ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
+        if not isinstance(ids, (list, tuple)) or not all(map(_is_token_id, ids)):
+            raise ConfigError(f"the prompt must be a string or a list of integer token ids, got "
+                              f"{type(prompt).__name__} {_preview(prompt)}")
+        if not ids:
+            raise ConfigError("the prompt is empty: give a non-empty string or list of token ids")
         return [int(t) for t in ids]
 
     def decode(self, ids: list[int]) -> str:
@@ -87,6 +98,15 @@ class Pair:
                             lambda: self.logits_after(prompt_ids, tokens, every=True))
 
 
+def _is_token_id(value) -> bool:
+    return hasattr(value, "__index__") and not isinstance(value, (bool, np.bool_))  # an int, numpy or torch
+
+
+def _preview(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
          backend: str = "auto") -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
@@ -95,16 +115,16 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     CPUs with bf16 matrix units, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
     which ran."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)  # before the (slow) model load: an unusable device fails at once
     dtype = default_dtype(device) if dtype is None else parse_dtype(dtype)
     directory = resolve_target_dir(target)
     tgt = load_target(directory, dtype, device, attention_backend, backend)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
-        drafter = DFlashDrafter.load(draft, dtype, device, attention_backend).bind(tgt)
+        drafter = DFlashDrafter.load(draft, dtype, device, attention_backend, target=tgt)
         drafter.label = str(draft)
     elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
-        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, attention_backend).bind(tgt)
+        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, attention_backend, target=tgt)
         drafter.label = "shipped"
     else:
         warn_untrained()

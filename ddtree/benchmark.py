@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from .compare import method_label, parse_budget, parse_method
-from .config import ConfigError
+from .config import ConfigError, cli_int
 from .datasets import dataset_name, load_prompts
+from .files import output_dir
 from .hf_baseline import HFBaseline
 from .stats import STAGES
 
@@ -66,8 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "budget, hf adds Hugging Face generate() on the same weights (greedy runs only); ar is "
                         "always run (it is the reference) (default: ar,hf,dflash,ddtree)")
     p.add_argument("--budgets", help="DDTree budgets (draft nodes per step) for plain `ddtree`")
-    p.add_argument("--num-prompts", type=int, help="first N prompts of each dataset")
-    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--num-prompts", type=cli_int(1), help="first N prompts of each dataset")
+    p.add_argument("--max-new-tokens", type=cli_int(1))
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
-    p.add_argument("--threads", type=int,
+    p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
@@ -379,8 +380,7 @@ def _main(args) -> int:
     rank, world = init_distributed(args)
     args.threads = args.threads or default_threads(world)
     torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, "--out")
     specs = method_specs(args.methods, args.budgets)
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache

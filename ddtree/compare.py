@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import ConfigError
+from .config import ConfigError, check_int
 
 
 def parse_method(spec: str, default_budget: int | str) -> tuple[str, int | str | None]:
@@ -60,6 +60,12 @@ def compare(pair, prompts, methods=("ar", "dflash", "ddtree"), budget: int = 64,
     """Decode every prompt with every method (methods interleaved per prompt so machine drift hits all alike).
     At temperature 0 each method's tokens are checked against `ar`'s (tie flips counted, errors reported).
     Speedup = total `ar` time / total method time over the same prompts."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise ConfigError(f"prompts must be a list of prompts, got {type(prompts).__name__}; for one prompt write "
+                          "compare(pair, [prompt], ...)")  # a bare string would run one prompt per character
+    if not prompts:
+        raise ConfigError("prompts is empty: give at least one prompt")
+    check_int("seed", seed)
     specs = [parse_method(m, budget) for m in methods]
     if ("ar", None) not in specs:
         specs.insert(0, ("ar", None))

@@ -1,7 +1,9 @@
 """Validated configuration dataclasses: the target architecture, the drafter, and sampling."""
 from __future__ import annotations
 
+import argparse
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -9,6 +11,38 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 class ConfigError(ValueError):
     """A model or generation setting that cannot work; the message names the fix."""
+
+
+# Numbers from users are checked, never coerced: True is not a count, 2.5 tokens is not a token count, and
+# "0.9" is not a probability. Coercing would run a different setting than the one asked for.
+def check_int(name: str, value, low: int | None = None) -> int:
+    """`value` if it is an integer (>= low when given), else a ConfigError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if low is not None and value < low:
+        raise ConfigError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value) -> float:
+    """`value` if it is a finite real number (not a bool or a string), else a ConfigError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def cli_int(low: int):
+    """argparse type: an integer >= low (e.g. --threads -1 is refused with a usage error, not a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,10 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHS:
             raise ConfigError(f"config.json has model_type {arch!r}; ddtree supports {', '.join(SUPPORTED_ARCHS)} "
                               "(Llama/Qwen-family decoders)")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}: restore the model's original config.json")
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
@@ -114,11 +152,11 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self):
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+        if check_number("temperature", self.temperature) < 0:
             raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < check_number("top_p", self.top_p) <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable nucleus sampling")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
+        if check_int("top_k", self.top_k) < 0:
             raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
 
     @property

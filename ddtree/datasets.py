@@ -19,6 +19,7 @@ from pathlib import Path
 from random import Random
 
 from .config import ConfigError
+from .files import read_jsonl
 
 DATASETS = ("humaneval", "mt-bench", "gsm")
 GSM_SEED = 42  # fixed: the gsm_symbolic generators make new questions for every seed
@@ -108,26 +109,22 @@ def _load_file(name: str, path: Path):
 
 
 def _read_jsonl(path: Path) -> list[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
     prompts = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if isinstance(item, str):
-                prompts.append(item)
-            elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-                prompts.append(item["prompt"])
-            elif isinstance(item, dict) and item.get("turns"):
-                prompts.append(item["turns"][0])  # multi-turn: the first user turn
-            elif isinstance(item, dict) and isinstance(item.get("question"), str):
-                prompts.append(item["question"])
+    for line_no, item in read_jsonl(path):
+        if isinstance(item, dict):  # {"prompt"}, {"turns"} (multi-turn: the first user turn) or {"question"}
+            turns = item.get("turns")
+            if "prompt" in item:
+                item = item["prompt"]
+            elif "turns" in item:
+                item = turns[0] if isinstance(turns, list) and turns else None
             else:
-                raise ConfigError(f"{path}:{line_no}: expected {{\"prompt\": ...}} or {{\"turns\": [...]}}")
+                item = item.get("question")
+        if not isinstance(item, str):  # {"turns": "abc"} is not a list of turns: refused, not read as "a"
+            raise ConfigError(f"{path}:{line_no}: expected a string, {{\"prompt\": \"...\"}}, "
+                              f"{{\"question\": \"...\"}} or {{\"turns\": [\"...\", ...]}}")
+        if not item.strip():  # found now, not when the benchmark reaches it
+            raise ConfigError(f"{path}:{line_no}: the prompt is empty")
+        prompts.append(item)
     return prompts
 
 

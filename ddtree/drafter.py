@@ -94,8 +94,8 @@ class DrafterConfig:
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
         dflash = cfg.get("dflash_config") or {}
         block_size = dflash.get("block_size", cfg.get("block_size"))
-        if "mask_token_id" not in dflash or block_size is None:
-            raise ConfigError("not a DFlash drafter config: config.json needs block_size and "
+        if "mask_token_id" not in dflash or block_size is None or "num_target_layers" not in cfg:
+            raise ConfigError("not a DFlash drafter config: config.json needs block_size, num_target_layers and "
                               "dflash_config.mask_token_id")
         model = ModelConfig.from_hf({**cfg, "model_type": "qwen3"})
         n_target = cfg.get("num_target_layers")
@@ -290,21 +290,27 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-             attention_backend: str = "auto") -> "DFlashDrafter":
-        from .loading import read_config, read_safetensors
+             attention_backend: str = "auto", target=None) -> "DFlashDrafter":
+        """With `target`, its config is checked against the drafter's before any weights are read (the
+        mismatch named, not a size error), and the drafter comes back bound to it."""
+        from .loading import check_shapes, read_config, read_safetensors
 
         directory = Path(directory)
         cfg = DrafterConfig.from_hf(read_config(directory))
+        if target is not None:
+            cfg.check_target(target.cfg)
         drafter = cls(cfg, attention_backend)
         state = read_safetensors(directory)
         state = {k.removeprefix("model."): v for k, v in state.items()}  # tolerate a "model." prefix
         shared = ("embed_tokens.weight", "t2d") + (() if cfg.reduced_vocab else ("lm_head.weight",))
         state = {k: v for k, v in state.items() if k not in shared}  # the target's (or, t2d, unused: vLLM skips it)
+        check_shapes(drafter, state, directory)
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(f"drafter checkpoint {directory} does not match its config.json: missing "
                               f"{sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
-        return drafter.to(device=device, dtype=dtype).eval()
+        drafter = drafter.to(device=device, dtype=dtype).eval()
+        return drafter if target is None else drafter.bind(target)
 
 
 def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: int = 0,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .attention import Visibility, resolve_backend
-from .config import ConfigError, SamplingParams
+from .config import ConfigError, SamplingParams, check_int
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
 from .budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
@@ -82,7 +82,7 @@ class DDTree(Method):
     name = "ddtree"
 
     def __init__(self, budget: int, block_size: int, adaptive: bool = False):
-        if not isinstance(budget, int) or budget < 1:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # True is not a budget of 1
             raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step) or 'auto', got {budget!r}")
         if block_size < 2:
             raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
@@ -130,7 +130,7 @@ def make_method(name: str, budget: int | str = 64, block_size: int | None = None
         return AR()
     if drafter is None:
         raise ConfigError(f"method {name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
-    block_size = drafter.block_size if block_size is None else block_size
+    block_size = drafter.block_size if block_size is None else check_int("block_size", block_size)
     if name == "dflash":
         return DFlash(block_size)
     if budget == "auto":
@@ -163,8 +163,11 @@ class Decoder:
             return walk(tree, ancestors, choose(logits, sampling, generator))
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
-    def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int) -> None:
+    def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed) -> None:
         cfg = self.target.cfg
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if seed is not None:
+            check_int("seed", seed)
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         if len(prompt_ids) > cfg.max_position_embeddings:
@@ -173,15 +176,13 @@ class Decoder:
         bad = [t for t in prompt_ids if not 0 <= int(t) < cfg.vocab_size]
         if bad:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
-        if max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
         target, drafter, cfg = self.target, self.drafter, self.target.cfg
-        self._validate(prompt_ids, method, max_new_tokens)
+        self._validate(prompt_ids, method, max_new_tokens, seed)
         if getattr(method, "adaptive", False):
             if method.cost is None:
                 method.cost = self.cost_model(method.block_size, method.max_nodes())

@@ -6,12 +6,14 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 from .config import ConfigError, ModelConfig
+from .files import checksum, output_dir, replacing_dir, stat_stamp
 from .layers import Rotary
 from .target import TargetModel
 
@@ -27,11 +29,34 @@ def cache_root() -> Path:
 
 
 def parse_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
+    """A floating dtype the models run in (a name or a torch.dtype); anything else is a ConfigError."""
+    value = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if value not in DTYPES.values():
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
-    return DTYPES[dtype]
+    return value
+
+
+def resolve_device(device) -> torch.device:
+    """The device to run on (None: cuda if available, else cpu), checked BEFORE any model is loaded."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            build = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {device!r} is not available ({build}); use device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"device {device!r} does not exist: {count} CUDA GPU(s) visible "
+                              f"(cuda:0..cuda:{count - 1})")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} is not available (no Apple-silicon GPU); use device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -90,37 +115,101 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# 2: a conversion records checksums of its files (CACHE_MANIFEST). Conversions made before carry none: the
+# format is part of the cache key, so they are not reused (and can be deleted; see the README's "Caches").
+CACHE_FORMAT = 2
+CACHE_MANIFEST = "ddtree-cache.json"
+STAMP_SETTLE_NS = 2_000_000_000
+
+
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory."""
+    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory, with
+    SHA-256 checksums of its files; a cache that fails them is converted again. The cached model IS the target:
+    a silently changed one would change every result. See verify_cache for what a load costs."""
     stat = path.stat()
-    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha1(f"{CACHE_FORMAT}:{source['path']}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_root() / f"{path.stem}-{key}"
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
-        return out
+    if out.exists():
+        problems = verify_cache(out)
+        if not problems:
+            return out
+        print(f"ddtree: the cached conversion {out} is damaged ({'; '.join(problems)}); converting again",
+              file=sys.stderr, flush=True)
+    # Checked before the conversion's ~20 s, not after it.
+    output_dir(cache_root(), "the model cache", "set DDTREE_CACHE to a writable directory")
+    print(f"ddtree: converting {path.name} to safetensors (once; cached in {out})", file=sys.stderr, flush=True)
+    model, tok = read_gguf(path)
     from safetensors.torch import save_file
+
+    try:
+        with replacing_dir(out) as tmp:
+            cfg = model.config.to_dict()
+            cfg.pop("quantization_config", None)
+            state = {k: v.contiguous() for k, v in model.state_dict().items()}
+            if cfg.get("tie_word_embeddings"):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            if tok is not None:
+                tok.save_pretrained(str(tmp))
+            model.generation_config.save_pretrained(str(tmp))
+            files = {p.name: checksum(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            _write_manifest(tmp, {"format": CACHE_FORMAT, "source": source, "files": files})
+    except OSError as e:
+        raise ConfigError(f"cannot write the cached conversion {out} ({e}): check the free space, or delete it "
+                          f"(rm -rf '{out}') and run again") from e
+    return out
+
+
+def read_gguf(path: Path):
+    """(transformers model in fp32, tokenizer) dequantized from a GGUF file; tests replace this with a tiny model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"ddtree: converting {path.name} to safetensors (once; cached in {out})", flush=True)
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad file
         raise ConfigError(f"cannot load GGUF {path} ({type(e).__name__}: {e}); is the file complete?") from e
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(str(tmp))
-    model.generation_config.save_pretrained(str(tmp))
-    if out.exists():  # an incomplete earlier conversion
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return model, tok
+
+
+def verify_cache(directory: Path) -> list[str]:
+    """What is wrong with a cached conversion (empty: nothing). The files' SHA-256 are compared with those
+    taken at conversion whenever their stat stamps (size, mtime, ctime, inode) differ from the ones recorded
+    when the content was last found intact; any write to a file changes its ctime. So a load of an untouched
+    cache costs a few stat calls, and a changed (or copied) one a full hash: ~0.35 s for SmolLM2's 538 MB."""
+    try:
+        manifest = json.loads((directory / CACHE_MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"no readable {CACHE_MANIFEST}: an interrupted or older conversion"]
+    if "model.safetensors" not in files:
+        return [f"{CACHE_MANIFEST} lists no model.safetensors"]
+    stamps = {name: stat_stamp(directory / name) for name in files}
+    if all(stamps.values()) and manifest.get("stamps") == stamps:
+        return []
+    problems = [f"{name} is missing" if stamps[name] is None else f"{name} has changed"
+                for name, digest in files.items() if stamps[name] is None or checksum(directory / name) != digest]
+    if not problems:
+        try:  # intact: remember these stamps, so the next load need not hash again
+            _write_manifest(directory, manifest)
+        except OSError:  # a read-only cache: verified by hash on every load
+            pass
+    return problems
+
+
+def _write_manifest(directory: Path, manifest: dict) -> None:
+    """The manifest with the current stat stamps of its files (taken after they were hashed). A stamp younger
+    than STAMP_SETTLE_NS is not recorded: file times tick coarsely (~4 ms), so a write right after it could
+    leave it unchanged (git's "racy clean" problem); that file is hashed again on the next load instead."""
+    now = time.time_ns()
+    stamps = {name: stat_stamp(directory / name) for name in manifest["files"]}
+    manifest = {**manifest, "stamps": {name: st if st and now - max(st[1], st[2]) > STAMP_SETTLE_NS else None
+                                       for name, st in stamps.items()}}
+    tmp = directory / (CACHE_MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, directory / CACHE_MANIFEST)
 
 
 def resolve_target_dir(target: str | os.PathLike | None) -> Path:
@@ -136,6 +225,18 @@ def resolve_target_dir(target: str | os.PathLike | None) -> Path:
             raise ConfigError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face directory")
         return convert_gguf(path)
     return path
+
+
+def check_shapes(module: torch.nn.Module, state: dict[str, torch.Tensor], source) -> None:
+    """A ConfigError naming every tensor whose shape differs from what the config.json implies, raised before
+    torch's own size-mismatch error (which names neither the file nor the fix)."""
+    expected = module.state_dict()
+    bad = [f"{k} is {list(v.shape)} in the weights but {list(expected[k].shape)} by config.json"
+           for k, v in state.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    if bad:
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ConfigError(f"the weights in {source} do not match its config.json: {'; '.join(bad[:3])}{more}. "
+                          "Restore the config.json that came with these weights")
 
 
 TARGET_BACKENDS = ("auto", "own", "hf")
@@ -177,12 +278,17 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
         from .hf_target import load_hf_target
 
         return load_hf_target(directory, dtype, device, attention_backend)
-    cfg = ModelConfig.from_hf(read_config(directory))
+    raw = read_config(directory)
+    try:
+        cfg = ModelConfig.from_hf(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{directory}: {e}") from None
     with torch.device("meta"):  # no random init of weights we are about to replace
         model = TargetModel(cfg, attention_backend)
     state = read_safetensors(directory)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    check_shapes(model, state, directory)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:

@@ -34,3 +34,39 @@ def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, b
     drafter = untrained_drafter(target, num_draft_layers, block_size, seed=seed + 1)
     drafter.label = "random"
     return target, drafter
+
+
+def char_tokenizer():
+    """A character-level tokenizer whose ids fit TINY's vocabulary (96): lets text prompts (the command line)
+    run on seeded random targets. Ids: 0 <unk>, 1 </s> (eos), then one per printable ASCII character."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.ascii_letters + string.digits + " .,:;!?'\"()-+*/=<>\n"
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    assert len(vocab) <= TINY["vocab_size"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+def save_target(target: TargetModel, directory, tokenizer=None):
+    """Write a target as a Hugging Face directory (config.json, model.safetensors, the tokenizer if given)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(target.cfg.to_hf()))
+    state = {k: v.contiguous() for k, v in target.state_dict().items()}
+    if target.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")  # shared with the embedding: safetensors stores a tensor once
+    save_file(state, str(directory / "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    return directory

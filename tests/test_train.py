@@ -309,3 +309,78 @@ def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):
     assert trainer.run() == "done"
     assert drafter.fc.weight.dtype == torch.float32
     assert DFlashDrafter.load(tmp_path / "run" / "drafter").cfg.block_size == 8
+
+
+# --- resuming and exporting never repeat or destroy work ------------------------------------------------------
+def _log(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_resume_logs_each_step_once_and_does_not_evaluate_a_finished_run_again(tiny_data, tmp_path):
+    target, data = tiny_data
+    train, heldout = read_sequences(data, "train")[:8], read_sequences(data, "heldout")
+    cfg = _config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=1)
+    run = tmp_path / "run"
+    Trainer(replace(cfg, max_steps=2), target, _new_drafter(target), train, run, heldout).run()
+    # killed after logging step 3 (and half of a line) but before its checkpoint: step 3 is trained again
+    with open(run / "log.jsonl", "a") as f:
+        f.write(json.dumps({**_log(run)[-1], "step": 3}) + "\n" + '{"kind": "tr')
+
+    def resume():
+        drafter, state = drafter_from_checkpoint(run / "checkpoint.pt", target)
+        trainer = Trainer(resume_config(state["config"], cfg), target, drafter.requires_grad_(True), train, run,
+                          heldout)
+        trainer.load_state(state)
+        return trainer.run()
+
+    assert resume() == "done"
+    steps = [r["step"] for r in _log(run) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    evals = [r for r in _log(run) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4] and evals[0]["tau_prompts"] == "heldout"
+    before = _log(run)
+    assert resume() == "done"
+    assert _log(run) == before  # the finished run once more: nothing trained, step 4 not evaluated again
+
+
+def test_tau_on_training_prompts_is_labelled(tiny_data, tmp_path):
+    """Without held-out sequences tau can only be measured on training prompts: the log and the card say so."""
+    from ddtree.train.card import model_card
+
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:4]
+    trainer = Trainer(_config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=0), target,
+                      _new_drafter(target), train, tmp_path / "run", heldout=[])
+    trainer.run()
+    assert [r["tau_prompts"] for r in _log(tmp_path / "run") if r["kind"] == "eval"] == ["train"]
+    card = model_card(trainer.state(), tmp_path / "run", None, "float32", "t")
+    assert "## Training curve" in card and "TRAINING prompts" in card and "held-out prompts" not in card
+
+
+def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypatch):
+    from ddtree.train import cli
+
+    target, data = tiny_data
+    run, out = tmp_path / "run", tmp_path / "drafter"
+    Trainer(_config(epochs=1, max_steps=1, val_sequences=0), target, _new_drafter(target),
+            read_sequences(data, "train")[:4], run).run()
+    assert cli.main(["export", "--run", str(run), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert set(before) == {"config.json", "model.safetensors", "README.md"}
+    assert cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32"]) == 2  # needs --force
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def broken_card(*args):  # an export that fails half-way (after the weights were written)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr("ddtree.train.card.model_card", broken_card)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32", "--force"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old drafter is whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "run"]  # no staging directory left behind
+    monkeypatch.undo()
+    assert cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32", "--force"]) == 0
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]  # now fp32
+    assert DFlashDrafter.load(out).fc.weight.dtype == torch.float32
+    (tmp_path / "a-file").write_text("")
+    assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "a-file")]) == 2

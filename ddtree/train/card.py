@@ -82,8 +82,11 @@ def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: 
         evals = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("kind") == "eval"]
     if evals:
         has_tree = "tau_ddtree" in evals[-1]
-        lines += ["## Held-out curve", "",
-                  "Measured during training on held-out prompts of the same mix (greedy; tau = tokens committed "
+        on_train = any(r.get("tau_prompts") == "train" for r in evals)  # the data had no held-out split
+        lines += ["## Training curve" if on_train else "## Held-out curve", "",
+                  ("Measured during training on TRAINING prompts (the data had no held-out split, so tau is "
+                   "optimistic)" if on_train else "Measured during training on held-out prompts of the same mix") +
+                  " (greedy; tau = tokens committed "
                   "per target pass, bonus included; " + (f"ddtree at budget {cfg['eval_ddtree_budget']}" if has_tree
                                                          else "dflash only") + ").", "",
                   "| step | label tokens | train h | val loss | val top-1 | tau dflash |"

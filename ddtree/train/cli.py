@@ -3,7 +3,7 @@
     python -m ddtree train generate-data --out data/smollm2-v2 --num-prompts 10000 --max-minutes 100
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --resume          # next 2-hour chunk
-    python -m ddtree train export --run runs/l1 --out ddtree/assets/smollm2-135m-dflash
+    python -m ddtree train export --run runs/l1 --out drafters/l1     # --force to replace a drafter there
 Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import ConfigError
+from ..config import ConfigError, cli_int
+from ..files import output_dir, read_jsonl, replacing_dir
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -39,14 +40,14 @@ def _target_args(p):
     p.add_argument("--target", help="HF model directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="target dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=cli_int(1), default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _load_target(args, dtype_default=None):
     """dtype_default(device) picks the dtype when --dtype is not given (default: fp32 on CPU, bf16 on CUDA)."""
-    from ..loading import load_target, load_tokenizer, parse_dtype, resolve_target_dir, stop_token_ids
+    from ..loading import load_target, load_tokenizer, parse_dtype, resolve_device, resolve_target_dir, stop_token_ids
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
     if device.type == "cuda" and "LOCAL_RANK" in __import__("os").environ:
         device = torch.device("cuda", int(__import__("os").environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -68,35 +69,48 @@ def _parse_mix(text: str | None):
 
 
 def _read_prompts_file(path: str):
-    import json
-
     from .prompts import Prompt
 
+    if not Path(path).is_file():
+        raise ConfigError(f"--prompts-file {path} does not exist")
     out = []
-    for i, line in enumerate(Path(path).read_text().splitlines()):
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if "ids" in r:
-            out.append(Prompt(r.get("key", f"file/{i}"), r.get("source", "file"), ids=[int(t) for t in r["ids"]]))
+    for number, r in read_jsonl(path):
+        i = number - 1  # keys stay what they were when lines were counted from 0
+        key, source = (r.get("key", f"file/{i}"), r.get("source", "file")) if isinstance(r, dict) else (None, None)
+        if isinstance(r, dict) and isinstance(r.get("ids"), list) and r["ids"] and \
+                all(isinstance(t, int) and not isinstance(t, bool) for t in r["ids"]):
+            out.append(Prompt(key, source, ids=r["ids"]))
+        elif isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip():
+            out.append(Prompt(key, source, [{"role": "user", "content": r["text"]}]))
+        elif isinstance(r, dict) and isinstance(r.get("messages"), list) and r["messages"] and \
+                all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in r["messages"]):
+            out.append(Prompt(key, source, r["messages"]))
         else:
-            msgs = r.get("messages") or [{"role": "user", "content": r["text"]}]
-            out.append(Prompt(r.get("key", f"file/{i}"), r.get("source", "file"), msgs))
+            hint = " (that is the benchmark's format)" if isinstance(r, dict) and {"prompt", "turns"} & set(r) else ""
+            raise ConfigError(f"{path}:{number}: expected a non-empty {{\"text\": \"...\"}}, {{\"messages\": "
+                              f"[{{\"role\", \"content\"}}, ...]}} or {{\"ids\": [token ids]}}, got {_keys(r)}{hint}")
+    if not out:
+        raise ConfigError(f"--prompts-file {path} holds no prompts")
     return out
+
+
+def _keys(record) -> str:
+    return str(sorted(record)) if isinstance(record, dict) else type(record).__name__
 
 
 def cmd_generate_data(args) -> int:
     from .data import GenerationSettings, generate_data
     from .prompts import SCALE_MIX, build_prompts, with_follow_ups
 
-    settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
-                                  args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
     from ..loading import default_dtype
 
-    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 where the CPU has AMX
+    settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
+                                  args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
+    output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
     prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else \
         build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
     prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
+    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 where the CPU has AMX
     # the target as the user named it (the cache directory's name changes with the install)
     meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct", "mix": args.mix or "scale",
             "prompts_file": args.prompts_file}
@@ -160,11 +174,11 @@ def cmd_fit(args) -> int:
     from .data import read_sequences
     from .trainer import CHECKPOINT, Trainer, drafter_from_checkpoint, init_distributed, resume_config
 
+    out = output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
+    train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
     target, tokenizer, stops, _ = _load_target(args)
     init_distributed(target.device)
     cfg = _train_config(args)
-    train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
-    out = Path(args.out)
     ckpt = out / CHECKPOINT
     if args.resume:
         if not ckpt.is_file():
@@ -201,23 +215,29 @@ def cmd_fit(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from ..loading import parse_dtype
+    from .card import model_card
     from .trainer import CHECKPOINT, drafter_from_checkpoint
 
     path = Path(args.run)
     path = path / CHECKPOINT if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}")
-    from ..loading import parse_dtype
-
     if args.data is not None and not Path(args.data).is_dir():
         raise ConfigError(f"--data {args.data} is not a directory")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory: choose a directory path")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise ConfigError(f"--out {out} is not empty ({held}): pass --force to replace it, or choose a new directory")
+    dtype = parse_dtype(args.dtype)
     drafter, state = drafter_from_checkpoint(path)
-    drafter.save(args.out, parse_dtype(args.dtype))
-    from .card import model_card
-
-    name = args.name or Path(args.out).name
-    (Path(args.out) / "README.md").write_text(model_card(state, path.parent, args.data and Path(args.data), args.dtype,
-                                                         name))
+    output_dir(out.parent, "the parent of --out")
+    with replacing_dir(out) as tmp:  # a failed export leaves what --out held untouched
+        drafter.save(tmp, dtype)
+        card = model_card(state, path.parent, args.data and Path(args.data), args.dtype, args.name or out.name)
+        (tmp / "README.md").write_text(card)
     print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
           f"{drafter.cfg.block_size}, {args.dtype}) written to {args.out}")
     return 0
@@ -231,12 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate-data", help="the target answers the training prompts; writes token-id chunks")
     _target_args(g)
     g.add_argument("--out", required=True, help="data directory (resumes: finished chunks are skipped)")
-    g.add_argument("--num-prompts", type=int, default=10000)
+    g.add_argument("--num-prompts", type=cli_int(1), default=10000)
     g.add_argument("--mix", help="source weights, e.g. sharegpt=0.35,codeio=0.25,stdlib=0.15,chat=0.12,math=0.13 "
                    "(the default); sources: codeio, math, chat, stdlib, sharegpt")
     g.add_argument("--prompts-file", help="JSONL prompts instead: {\"text\"}, {\"messages\"} or {\"ids\"} per line")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
-    g.add_argument("--slots", type=int, default=64, help="sequences decoded together (default: %(default)s)")
+    g.add_argument("--slots", type=cli_int(1), default=64, help="sequences decoded together (default: %(default)s)")
     g.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="prompts answered by sampling at T in [--t-min, --t-max]; the rest greedy (default %(default)s)")
     g.add_argument("--t-min", type=float, default=0.7)
@@ -244,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--follow-ups", type=float, default=0.35,
                    help="fraction of prompts that get a second user turn after the answer (default %(default)s)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--chunk-size", type=int, default=250, help="prompts per chunk file (the unit of resuming)")
+    g.add_argument("--chunk-size", type=cli_int(1), default=250, help="prompts per chunk file (the unit of resuming)")
     g.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of prompts (by key hash)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     g.add_argument("--max-minutes", type=float, help="start no new chunk after this long (rerun resumes)")
@@ -298,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "drafters ship; loading casts to the engine's dtype)")
     e.add_argument("--data", help="the run's generate-data directory: the model card (README.md) then lists it")
     e.add_argument("--name", help="title of the model card (default: the --out directory's name)")
+    e.add_argument("--force", action="store_true", help="replace what --out holds (e.g. an earlier export)")
     return parser
 
 

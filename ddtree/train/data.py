@@ -22,12 +22,15 @@ import json
 import os
 import random
 import time
+import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..config import ConfigError
+from ..files import read_jsonl
 from .batched import Answer, BatchedDecoder, Job
 from .prompts import Prompt
 
@@ -103,7 +106,10 @@ def _job_sampling(key: str, settings: GenerationSettings) -> tuple[float, int]:
 def _check_meta(out_dir: Path, meta: dict) -> None:
     path = out_dir / "meta.json"
     if path.is_file():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); restore it or use another --out directory") from None
         if old != meta:
             diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
             raise ValueError(f"{out_dir} already holds data generated with different settings ({', '.join(diff)}); "
@@ -201,12 +207,20 @@ def write_chunk(path: Path, records: list[tuple[Answer, str, str]], vocab_size: 
     os.replace(tmp, path)
 
 
+# What to do about a damaged chunk or shard: generate-data writes any missing one again.
+REGENERATE = "delete it and rerun the same generate-data command: it writes it again"
+RECORD_KEYS = {"key", "source", "split", "prompt_ids", "response_ids"}
+
+
 def read_chunk(path: Path) -> list[dict]:
     """One chunk's records as dicts: key, source, split, turn, temperature, prompt_ids, response_ids."""
-    with np.load(path) as z:
-        tokens, offsets, plens = z["tokens"].astype(np.int64), z["offsets"], z["prompt_lens"]
-        turns, temps = z["turns"], z["temperatures"]
-        metas = [json.loads(line) for line in bytes(z["records"]).decode().splitlines()]
+    try:
+        with np.load(path) as z:
+            tokens, offsets, plens = z["tokens"].astype(np.int64), z["offsets"], z["prompt_lens"]
+            turns, temps = z["turns"], z["temperatures"]
+            metas = [json.loads(line) for line in bytes(z["records"]).decode().splitlines()]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:  # truncated or not a chunk
+        raise ConfigError(f"{path} is damaged ({type(e).__name__}: {e}); {REGENERATE}") from None
     out = []
     for r, m in enumerate(metas):
         seq = tokens[offsets[r]:offsets[r + 1]].tolist()
@@ -238,7 +252,11 @@ def read_records(data_dir) -> list[dict]:
                                 "`python -m ddtree train generate-data`")
     out = [r for path in chunks for r in read_chunk(path)]
     for path in shards:
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for number, r in read_jsonl(path, REGENERATE):
+            if not isinstance(r, dict) or not RECORD_KEYS <= set(r):
+                needs = ", ".join(sorted(RECORD_KEYS))
+                raise ConfigError(f"{path}:{number}: not a generate-data record (needs {needs}); {REGENERATE}")
+            out.append(r)
     return out
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..drafter import DFlashDrafter, DrafterConfig
 from .data import Sequence
 from .model import DraftLoss, sample_anchors, target_features
@@ -112,11 +114,12 @@ class FeatureSource:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, target, drafter: DFlashDrafter, train: list[Sequence], out_dir,
-                 heldout: list[Sequence] = (), tokenizer=None, stop_ids=(), log=print):
+                 heldout: list[Sequence] = (), tokenizer=None, stop_ids=(), log=None):
         self.cfg, self.target, self.drafter = cfg, target, drafter
         fits = lambda s: s.prompt_len <= cfg.max_seq_len - 2  # noqa: E731 - room for at least one anchor
         self.train_seqs, self.heldout = [s for s in train if fits(s)], [s for s in heldout if fits(s)]
-        self.tokenizer, self.stop_ids, self.log_fn = tokenizer, tuple(stop_ids), log
+        self.tokenizer, self.stop_ids = tokenizer, tuple(stop_ids)
+        self.log_fn = log or (lambda text: print(text, file=sys.stderr, flush=True))  # progress: stderr
         self.out_dir = Path(out_dir)
         self.device = target.device
         self.rank, self.world = _rank_world()
@@ -227,6 +230,7 @@ class Trainer:
             out.update(val_loss=float(totals[0] / totals[1]), val_acc=float(totals[2] / totals[3]))
         prompts = [s.tokens[: s.prompt_len] for s in (self.heldout or self.train_seqs)[: self.cfg.eval_prompts]]
         if prompts:
+            out["tau_prompts"] = "heldout" if self.heldout else "train"  # no held-out data: say so in the record
             drafter = self.drafter
             if drafter.fc.weight.dtype != self.target.dtype:  # decode with a copy in the target's dtype
                 drafter = DFlashDrafter(drafter.cfg, drafter.attention_backend)
@@ -280,6 +284,26 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
+        self._trim_log()
+
+    def _logged(self) -> list[dict | None]:
+        """log.jsonl's records; None for a line cut short by a crash."""
+        path = self.out_dir / "log.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        return [_json_or_none(line) for line in lines if line.strip()]
+
+    def _trim_log(self) -> None:
+        """Keep log records up to the checkpoint's step only: a run stopped between checkpoints logged steps that
+        the resumed run trains (identically) again, and each step must appear once."""
+        if self.rank != 0:
+            return
+        records = self._logged()
+        kept = [r for r in records if r is not None and r.get("step", 0) <= self.step]
+        if len(kept) < len(records):
+            tmp = self.out_dir / "log.jsonl.tmp"
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.out_dir / "log.jsonl")
+
 
     # --- the loop -----------------------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -329,7 +353,10 @@ class Trainer:
         return status
 
     def _eval_and_log(self) -> None:
-        if self.rank == 0 and (self.cfg.eval_prompts or self.cfg.val_sequences):
+        # Once per step: resuming a finished run reaches the end again without training a step.
+        evaluated = self.rank != 0 or any(r is not None and r.get("kind") == "eval" and r.get("step") == self.step
+                                          for r in self._logged())
+        if not evaluated and (self.cfg.eval_prompts or self.cfg.val_sequences):
             self.log(self.evaluate())
         if self.world > 1:
             dist.barrier()
@@ -343,8 +370,21 @@ class _null:
         return False
 
 
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
 def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    not_one = f"is not a training checkpoint: pass a `train fit` run directory or its {CHECKPOINT}"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - unpickling a file that is no checkpoint fails in many ways
+        raise ConfigError(f"{path} {not_one} ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"drafter", "drafter_config", "step", "config"} <= set(state):
+        raise ConfigError(f"{path} {not_one} (it holds no drafter state)")
     drafter = DFlashDrafter(DrafterConfig.from_hf(state["drafter_config"]))
     drafter.load_state_dict(state["drafter"])
     if target is not None:
