@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ConfigError, ModelConfig
+from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig
 from .files import checksum, output_dir, replacing_dir, stat_stamp
 from .layers import Rotary
 from .target import TargetModel
@@ -249,6 +249,8 @@ def own_code_gap(directory: Path, raw: dict) -> str | None:
         cfg = ModelConfig.from_hf(raw)
         Rotary(cfg)  # RoPE types the own code cannot compute are refused here
     except (ConfigError, ValueError, KeyError) as e:  # KeyError: a field the own code needs is missing
+        if raw.get("model_type") in SUPPORTED_ARCHS and "lacks" in str(e):
+            raise  # a covered architecture with a damaged config.json: the fix is to restore it, not another backend
         return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
     from transformers import AutoConfig
 
