@@ -98,10 +98,10 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     tgt = load_target(directory, dtype, device, attention_backend)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
-        drafter = DFlashDrafter.load(draft, dtype, device, attention_backend).bind(tgt)
+        drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend).bind(tgt)
         drafter.label = str(draft)
     elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
-        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, attention_backend).bind(tgt)
+        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, tgt.attention_backend).bind(tgt)
         drafter.label = "shipped"
     else:
         warn_untrained()

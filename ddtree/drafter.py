@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import Visibility, attend, resolve_backend
+from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary
@@ -98,7 +98,7 @@ class DrafterConfig:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, attention_backend: str = "auto"):
+    def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa"):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
@@ -157,7 +157,7 @@ class DFlashDrafter(nn.Module):
         positions = torch.arange(cache.length, cache.length + length, device=h.device)
         cos, sin = self.rotary(positions, h.dtype)
         vis = Visibility(cache.length, None)  # non-causal: the block sees all context and all of itself
-        backend = resolve_backend(self.attention_backend, h.device)
+        backend = self.attention_backend  # resolved at load
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
@@ -199,7 +199,7 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-             attention_backend: str = "auto") -> "DFlashDrafter":
+             attention_backend: str = "sdpa") -> "DFlashDrafter":
         from .loading import read_config, read_safetensors
 
         directory = Path(directory)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from .attention import Visibility, resolve_backend
+from .attention import Visibility
 from .config import ConfigError, SamplingParams
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
@@ -200,7 +200,7 @@ class Decoder:
         taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
         budget = "auto" if getattr(method, "adaptive", False) else method.budget
         stats = GenerationStats(method.name, budget, method.block_size, m,
-                                attention_backend=resolve_backend(target.attention_backend, device),
+                                attention_backend=target.attention_backend,
                                 drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
         timer = StageTimer(device)
         t0 = time.perf_counter()

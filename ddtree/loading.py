@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import resolve_backend
 from .config import ConfigError, ModelConfig
 from .layers import Rotary
 from .target import TargetModel
@@ -140,8 +141,9 @@ def resolve_target_dir(target: str | os.PathLike | None) -> Path:
 
 def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto") -> TargetModel:
     cfg = ModelConfig.from_hf(read_config(directory))
+    backend = resolve_backend(attention_backend, device)  # once, here: passes never read the environment
     with torch.device("meta"):  # no random init of weights we are about to replace
-        model = TargetModel(cfg, attention_backend)
+        model = TargetModel(cfg, backend)
     state = read_safetensors(directory)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
