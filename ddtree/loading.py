@@ -91,12 +91,20 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory."""
+def gguf_cache_dir(path: Path) -> Path:
+    """Where the dequantized copy of this GGUF file (by path, size and modification time) is cached."""
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{path.stem}-{key}"
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def convert_gguf(path: Path) -> Path:
+    """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory."""
+    out = gguf_cache_dir(path)
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        cfg = read_config(out)
+        if portable_config(cfg) != cfg:  # converted by an older ddtree: make it a valid HF directory in place
+            _write_json(out / "config.json", portable_config(cfg))
         return out
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,7 +117,7 @@ def convert_gguf(path: Path) -> Path:
         raise ConfigError(f"cannot load GGUF {path} ({type(e).__name__}: {e}); is the file complete?") from e
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    cfg = model.config.to_dict()
+    cfg = portable_config(model.config.to_dict())
     cfg.pop("quantization_config", None)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if cfg.get("tie_word_embeddings"):
@@ -122,6 +130,32 @@ def convert_gguf(path: Path) -> Path:
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def portable_config(cfg: dict) -> dict:
+    """A config.json that every transformers version we support reads alike: `architectures` and `model_type`
+    set, and RoPE theta (and a non-default RoPE type) also where transformers 4.x reads them, at the top level
+    (`rope_theta`, `rope_scaling`): 5.x writes them inside `rope_parameters` only, and 4.57 then silently
+    decodes with theta 10000 (SmolLM2's is 100000)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = dict(cfg)
+    if not out.get("model_type"):
+        raise ConfigError("the converted config has no model_type; the GGUF's architecture is not supported")
+    if not out.get("architectures") and out["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        out["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[out["model_type"]]]
+    rope = dict(out.get("rope_parameters") or {})
+    if "rope_theta" in rope and out.get("rope_theta") is None:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def resolve_target_dir(target: str | os.PathLike | None) -> Path:
