@@ -13,7 +13,7 @@ from ddtree.testing import random_pair
 
 @pytest.fixture
 def pair():
-    target, drafter = random_pair("llama", seed=1, max_position_embeddings=64)
+    target, drafter = random_pair("llama", seed=1, max_position_embeddings=128)  # room for budget 64
     return Pair(target, drafter, None)
 
 
@@ -42,8 +42,8 @@ def test_bad_prompts(pair):
         pair.generate("")
     with pytest.raises(ConfigError, match="no tokenizer"):
         pair.generate("hello")
-    with pytest.raises(ConfigError, match="context limit of 64"):
-        pair.generate(list(range(1, 66)))
+    with pytest.raises(ConfigError, match="context limit of 128"):
+        pair.generate([1] * 129)
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         pair.generate([1, 2, 10_000])
 
