@@ -70,3 +70,18 @@ def test_engine_traces_are_consistent(method, temperature):
     if temperature == 0:
         assert res.token_ids == reference
     assert pair.generate(prompt, method=method, max_new_tokens=5).trace is None  # off by default
+
+
+def test_draft_logprobs_use_the_draft_vocabulary():
+    """With a reduced draft vocabulary the logits are indexed by draft ids, not by the target ids in the tree."""
+    import numpy as np
+    import torch
+
+    from ddtree.tree import DraftTree
+
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]))  # 2 block positions, 3 draft ids
+    tree = DraftTree(torch.tensor([9, 40, 41, 42]), np.array([-1, 0, 0, 1]), np.array([0, 1, 1, 2]),
+                     draft_logits=logits, draft_ids=torch.tensor([0, 1, 2]))  # target ids 40..42
+    rec = tr.step_record(tree, [40, 42, -1, -1], [0, 1])
+    assert rec["draft_logprobs"] == pytest.approx([0.0, math.log(0.7), math.log(0.2), math.log(0.25)])
+    assert rec["tokens"] == [9, 40, 41, 42] and rec["accepted"] == [0, 1]
