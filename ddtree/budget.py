@@ -71,31 +71,41 @@ class DraftGate:
     """Whether drafting pays at all: compares the realized speed of drafted steps (EMA of tokens per modeled
     second) with plain decoding's 1 / verify(1). While drafting loses, steps skip the drafter (an `ar` step
     on the same loop) except one exploring step, which keeps the estimate fresh: first after
-    `explore_every` steps, then after twice as many each time drafting still loses (up to `max_interval`).
-    With a useless drafter the method so runs within a few percent of `ar`: on the 2-core AVX2 CPU an
-    exploring step costs ~3 plain ones, 1 in 8 would cost ~20%, 1 in 64 ~3%."""
+    `explore_every` steps, then after twice as many each time drafting still loses (up to `max_interval`);
+    each new prompt (`restart`) starts that schedule again, and an exploring step weighs `explore_alpha` in
+    the estimate, so a prompt where drafting pays is found within a few steps even after many where it did
+    not. With a useless drafter the method so stays within a few percent of `ar`: on the 2-core AVX2 CPU an
+    exploring step costs ~1.5-3 plain ones; 1 in 8 cost ~5-20%, 3 per 64-token prompt ~2%."""
     explore_every: int = 8
     max_interval: int = 64
     alpha: float = 0.2
+    explore_alpha: float = 0.5
     rate: float | None = None  # EMA of tokens / modeled second over drafted steps
     skipped: int = 0
     interval: int = 0  # plain steps between explorations now (explore_every .. max_interval)
+    exploring: bool = False  # the current step explores
+
+    def restart(self) -> None:
+        """A new prompt: explore soon (what held for the last prompt may not hold here); the estimate stays."""
+        self.skipped, self.interval = 0, self.explore_every
 
     def draft_now(self, cost: CostModel) -> bool:
         ar_rate = 1.0 / float(cost.step_seconds(np.array([1]))[0] - cost.fixed_seconds)
+        self.exploring = False
         if self.rate is None or self.rate >= ar_rate:
             self.skipped, self.interval = 0, self.explore_every
             return True
         self.interval = self.interval or self.explore_every
         if self.skipped + 1 >= self.interval:  # explore; if it still loses, wait twice as long next time
             self.skipped, self.interval = 0, min(2 * self.interval, self.max_interval)
+            self.exploring = True
             return True
         self.skipped += 1
         return False
 
     def update(self, tokens: int, seconds: float) -> None:
-        r = tokens / seconds
-        self.rate = r if self.rate is None else (1 - self.alpha) * self.rate + self.alpha * r
+        r, a = tokens / seconds, self.explore_alpha if self.exploring else self.alpha
+        self.rate = r if self.rate is None else (1 - a) * self.rate + a * r
 
 
 @dataclass

@@ -47,7 +47,8 @@ class Method:
         raise NotImplementedError
 
     def prepare(self, target, drafter) -> None:
-        """Before a generation, outside its timing: load or measure what the method needs (once)."""
+        """Before each generation, outside its timing: load or measure what the method needs (once), and
+        start a new prompt."""
 
     def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
         """The tree to verify, rooted at `bonus` [1]. The one place that decides a plain step (the root alone,
@@ -139,6 +140,7 @@ class AdaptiveDDTree(DDTree):
             self.cost = verify_costs(target, drafter, self.block_size, self.max_nodes())
             # a tree the calibration stopped short of costs more than a fully accepted block can repay
             self.budget = max(1, min(self.budget, self.cost.sizes[-1] - 1))
+        self.gate.restart()
 
     def wants_draft(self) -> bool:
         return self.gate.draft_now(self.cost)

@@ -172,3 +172,16 @@ def test_draft_gate():
         gate.update(tokens=5, seconds=2.5)  # now drafting yields 2 tokens/s
     assert all(gate.draft_now(cost) for _ in range(5))
     assert gate.interval == 4  # a win resets the back-off
+
+
+def test_draft_gate_explores_early_in_each_prompt_and_an_exploring_win_counts():
+    cost = CostModel((1, 16), (1.0, 2.0), fixed_seconds=0.5)  # ar: 1 token/s
+    gate = DraftGate(explore_every=4, max_interval=64, explore_alpha=0.5)
+    gate.update(tokens=1, seconds=2.5)  # drafting lost (0.4 tokens/s) ...
+    for _ in range(100):
+        gate.draft_now(cost)
+    assert gate.interval == 64  # ... and backed off
+    gate.restart()  # a new prompt
+    assert [gate.draft_now(cost) for _ in range(4)] == [False, False, False, True] and gate.exploring
+    gate.update(tokens=5, seconds=2.5)  # the exploring step pays (2 tokens/s): half the estimate moves
+    assert gate.rate == pytest.approx(1.2) and gate.draft_now(cost) and not gate.exploring
