@@ -6,6 +6,13 @@
     tau_vs_budget      mean accepted tokens per verify pass vs budget (same layout)
     acceptance_hist    distribution of accepted lengths per step, DFlash and DDTree budgets
     stage_time         stacked per-stage time per method, ms per generated token
+  from RESULTS/traces.jsonl (a `--traces` run), one panel per temperature, one line per method:
+    trace_depth        how deep the accepted path gets: P(reaches depth d) and P(reaches d | reached d - 1)
+    trace_rank         how often the drafter's k-th choice among siblings is the accepted one
+    trace_calibration  drafter calibration: a path's draft probability vs how often it is accepted, and the
+                       accepted path's draft probability by its length
+
+Speedups are the benchmark's own rows (ddtree.runner: method tokens/s / ar tokens/s on the same prompts).
 
 By default only the records of the last benchmark run (RESULTS/last_run.json) are plotted; --all plots every
 record in the directory (mixing configurations is then your responsibility).
@@ -23,10 +30,11 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (servers, CI)
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ddtree import traces as tr  # noqa: E402
 from ddtree.benchmark import load_records, summarize  # noqa: E402
-from ddtree.compare import parse_method  # noqa: E402
 from ddtree.config import ConfigError  # noqa: E402
 from ddtree.files import output_dir  # noqa: E402
+from ddtree.method_spec import MethodSpec  # noqa: E402
 from ddtree.stats import STAGES  # noqa: E402
 
 STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
@@ -48,9 +56,10 @@ def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
     return recs, env
 
 
-def method_order(records: list[dict]) -> list[tuple[str, int | None]]:
-    specs = {parse_method(r["method"], 0) for r in records}
-    return sorted(specs, key=lambda s: ({"ar": 0, "dflash": 1}.get(s[0], 2), s[1] if isinstance(s[1], int) else 1 << 30))
+def method_order(records: list[dict]) -> list[MethodSpec]:
+    specs = {MethodSpec.parse(r["method"]) for r in records}
+    return sorted(specs, key=lambda s: ({"ar": 0, "hf": 1, "dflash": 2}.get(s.name, 3),
+                                        s.budget if isinstance(s.budget, int) else 1 << 30))
 
 
 def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height: float = 3.6):
@@ -107,21 +116,21 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
 def acceptance_hist(records, specs, cells, title: str):
     """Grouped bars (not overlaid histograms): methods with identical distributions stay visible."""
     fig, panels = grid(cells, title)
-    shown = [s for s in specs if s[0] not in ("ar", "hf")]
+    shown = [s for s in specs if s.name not in ("ar", "hf")]
     colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
     width = 0.8 / max(1, len(shown))
     for cell, ax in panels.items():
         recs = [r for r in records if (r["dataset"], r["temperature"]) == cell]
         longest = max([max(r["acceptance_lengths"], default=1) for r in recs] + [2])
-        for i, ((name, budget), color) in enumerate(zip(shown, colors)):
-            label = f"{name}:{budget}" if budget else name
-            lengths = [a for r in recs if r["method"] == label for a in r["acceptance_lengths"]]
+        for i, (spec, color) in enumerate(zip(shown, colors)):
+            lengths = [a for r in recs if r["method"] == spec.label for a in r["acceptance_lengths"]]
             if not lengths:
                 continue
             xs = list(range(1, longest + 1))
             fractions = [lengths.count(x) / len(lengths) for x in xs]
             ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], fractions, width=width, color=color,
-                   label=f"{'DDTree ' + str(budget) if budget else 'DFlash'} (tau {sum(lengths) / len(lengths):.2f})")
+                   label=f"{'DDTree ' + str(spec.budget) if spec.budget else 'DFlash'} "
+                         f"(tau {sum(lengths) / len(lengths):.2f})")
         ax.set_xlabel("tokens accepted per verify step (bonus included)")
         ax.set_ylabel("fraction of steps")
         ax.set_xticks(range(1, longest + 1, max(1, longest // 12)))
@@ -155,6 +164,68 @@ def stage_bars(rows, cells, title: str):
     return fig
 
 
+def read_traces(results: Path, keys: set[str]) -> dict[tuple[str, float], list[dict]]:
+    """The drafted steps (trees with draft nodes) of the plotted runs, by (method, temperature); a step traced
+    twice (an interrupted run, resumed) counts once."""
+    path = results / "traces.jsonl"
+    if not path.is_file():
+        return {}
+    steps = {}
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if step.get("key") in keys and len(step.get("parents", ())) > 1:
+            steps[(step["key"], step["step"])] = step
+    by = {}
+    for step in steps.values():
+        by.setdefault((step["method"], step["temperature"]), []).append(step)
+    return by
+
+
+def trace_figures(by: dict, title: str) -> dict:
+    """trace_depth, trace_rank, trace_calibration: one row of panels per temperature, one line per method."""
+    temps = sorted({t for _, t in by})
+    methods = [s.label for s in method_order([{"method": m} for m, _ in by])]
+    colors = dict(zip(methods, plt.cm.viridis([i / max(1, len(methods) - 1) * 0.9 for i in range(len(methods))])))
+    figs = {name: plt.subplots(len(temps), cols, figsize=(6.5 * cols, 3.8 * len(temps) + 0.9), squeeze=False)
+            for name, cols in (("trace_depth", 1), ("trace_rank", 1), ("trace_calibration", 2))}
+    for row, t in enumerate(temps):
+        ax_depth, ax_rank = figs["trace_depth"][1][row][0], figs["trace_rank"][1][row][0]
+        ax_rel, ax_len = figs["trace_calibration"][1][row]
+        for m in (m for m in methods if (m, t) in by):
+            steps, color = by[(m, t)], colors[m]
+            depth = tr.acceptance_by_depth(steps)
+            ds = list(depth)
+            ax_depth.plot(ds, [depth[d][0] for d in ds], "o-", color=color, label=f"{m}: reaches depth d")
+            ax_depth.plot(ds, [depth[d][1] for d in ds], "x--", color=color, label=f"{m}: given d - 1")
+            rank = {r: v for r, v in tr.acceptance_by_rank(steps).items() if r < 12}
+            ax_rank.plot(list(rank), [v[0] for v in rank.values()], "o-", color=color, label=m)
+            cal = tr.calibration(steps)
+            if cal["reliability"]:
+                ax_rel.plot(*zip(*[(p, f) for p, f, _ in cal["reliability"]]), "o-", color=color, label=m)
+            ax_len.plot(list(cal["by_length"]), [p for p, _ in cal["by_length"].values()], "o-", color=color, label=m)
+        ax_rel.plot([0, 1], [0, 1], ":", color="black", lw=1, label="calibrated")
+        panels = [(ax_depth, "accepted path depth d", "fraction of drafted steps"),
+                  (ax_rank, "rank among siblings by draft probability (0 = first choice)",
+                   "fraction accepted when judged"),
+                  (ax_rel, "draft probability of a node's path", "fraction of such nodes accepted"),
+                  (ax_len, "accepted draft tokens L", "draft probability of the accepted path")]
+        for ax, xlabel, ylabel in panels:
+            ax.set_title(f"T = {t:g}", fontsize=11)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(0, 1.05)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    heads = {"trace_depth": "How deep the accepted path gets", "trace_rank": "Acceptance by sibling rank",
+             "trace_calibration": "Drafter calibration"}
+    for name, (fig, _) in figs.items():
+        fig.suptitle(f"{heads[name]} - {title}", fontsize=12)
+    return {name: fig for name, (fig, _) in figs.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default="results", help="benchmark results directory (default: %(default)s)")
@@ -179,7 +250,7 @@ def main(argv=None) -> int:
     where = f"{env.get('target', '')}, {env.get('gpu') or env.get('cpu', '')}, {env.get('dtype', '')}"
     note = " (random weights: measures overhead, not the method)" if drafter == "untrained" else ""
     figures = {
-        "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (x, wall time)",
+        "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (tokens/s ratio, same prompts)",
                                           f"Speedup vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),
         "tau_vs_budget": budget_curve(rows, cells, "tau", "tau (tokens per target pass)",
                                       f"Acceptance length vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),
@@ -187,6 +258,9 @@ def main(argv=None) -> int:
                                            f"Accepted length per step - drafter: {drafter}{note}\n{where}"),
         "stage_time": stage_bars(rows, cells, f"Where the time goes - drafter: {drafter}{note}\n{where}"),
     }
+    traced = read_traces(results, {r["key"] for r in records})
+    if traced:
+        figures.update(trace_figures(traced, f"drafter: {drafter}{note}\n{where}"))
     for name, fig in figures.items():
         fig.tight_layout(rect=(0, getattr(fig, "legend_margin", 0.0), 1, 1))
         for ext in ("png", "pdf"):

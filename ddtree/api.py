@@ -12,9 +12,10 @@ from .attention import Visibility
 from .checker import Verdict, check_tokens
 from .config import ConfigError, SamplingParams
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
-from .engine import Decoder, make_method
+from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, stop_token_ids)
+from .method_spec import MethodSpec
 from .stats import GenerationStats
 
 
@@ -24,6 +25,7 @@ class GenerationResult:
     text: str
     stats: GenerationStats
     prompt_ids: list[int] = field(default_factory=list)
+    trace: list[dict] | None = None  # with trace=True: one record per decoding step (see traces.py)
 
 
 class Pair:
@@ -34,6 +36,7 @@ class Pair:
         self.stop_ids = tuple(stop_ids)
         self.name = name
         self.decoder = Decoder(target, drafter)
+        self._methods: dict[tuple, Method] = {}
 
     @property
     def device(self) -> torch.device:
@@ -73,14 +76,27 @@ class Pair:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def generate(self, prompt, method: str = "ddtree", budget: int | str = 64, block_size: int | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int = 256,
-                 seed: int | None = None, chat: bool = True) -> GenerationResult:
+    def method(self, method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None) -> Method:
+        """The pair's Method for a spec (see method_spec.py), made once and reused: what the adaptive budget
+        learns about this pair (its trust in the drafter, whether drafting pays) carries across prompts."""
+        spec = MethodSpec.parse(method, budget)
+        key = (spec, block_size)
+        if key not in self._methods:
+            self._methods[key] = make_method(spec, None, block_size, self.drafter)
+        return self._methods[key]
+
+    def generate(self, prompt, method: str | MethodSpec = "ddtree", budget: int | str | None = None,
+                 block_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 max_new_tokens: int = 256, seed: int | None = None, chat: bool = True,
+                 trace: bool = False) -> GenerationResult:
+        """method: 'ar', 'dflash', 'ddtree', 'ddtree:N' or 'ddtree:auto'; budget: a bare ddtree's budget
+        (None: method_spec.DEFAULT_BUDGET). trace=True keeps a per-step tree trace in the result."""
         sampling = SamplingParams(temperature, top_p, top_k)
-        strategy = make_method(method, budget, block_size, self.drafter)
+        strategy = self.method(method, budget, block_size)
         ids = self.encode(prompt, chat)
-        tokens, stats = self.decoder.generate(ids, strategy, sampling, max_new_tokens, self.stop_ids, seed)
-        return GenerationResult(tokens, self.decode(tokens), stats, ids)
+        steps = [] if trace else None
+        tokens, stats = self.decoder.generate(ids, strategy, sampling, max_new_tokens, self.stop_ids, seed, steps)
+        return GenerationResult(tokens, self.decode(tokens), stats, ids, steps)
 
     @torch.inference_mode()
     def logits_after(self, prompt_ids: list[int], generated: list[int], every: bool = False) -> torch.Tensor:
@@ -121,10 +137,10 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     tgt = load_target(directory, dtype, device, attention_backend, backend)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
-        drafter = DFlashDrafter.load(draft, dtype, device, attention_backend, target=tgt)
+        drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)
         drafter.label = str(draft)
     elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
-        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, attention_backend, target=tgt)
+        drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, tgt.attention_backend, target=tgt)
         drafter.label = "shipped"
     else:
         warn_untrained()

@@ -3,13 +3,17 @@
 Queries are the N new tokens of a pass; keys/values are the cached rows [0, past_len + N): the committed
 past (always visible) followed by the N new rows, whose visibility among themselves is described by a
 `Visibility`. Backends: "sdpa" (PyTorch scaled_dot_product_attention, the CPU path) and "triton" (the
-tree-attention kernel in ddtree.kernels, used automatically on CUDA).
+tree-attention kernel in ddtree.kernels, used automatically on CUDA). A model holds its backend already
+resolved (`resolve_backend`, at load): passes never look at the environment.
 """
 from __future__ import annotations
 
 import os
+
 import torch
 import torch.nn.functional as F
+
+from .config import ConfigError
 
 BACKENDS = ("auto", "sdpa", "triton")
 
@@ -69,20 +73,32 @@ def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
     return visible
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """'auto' picks the Triton kernel on CUDA (when importable) and SDPA elsewhere."""
-    name = os.environ.get("DDTREE_ATTENTION", name)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+def resolve_backend(name: str, device) -> str:
+    """The backend every pass of a model on `device` will use, decided once when the model is loaded.
+    'auto': $DDTREE_ATTENTION when set, else the Triton kernel on CUDA (when triton imports) and SDPA
+    elsewhere. 'triton' where it cannot run is an error, never a silent fallback."""
     if name == "auto":
-        if torch.device(device).type != "cuda":
-            return "sdpa"
-        try:
-            from .kernels import tree_attention  # noqa: F401
-        except ImportError:
-            return "sdpa"
-        return "triton"
+        name = os.environ.get("DDTREE_ATTENTION", "auto")
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        return "triton" if cuda and _triton_problem(cuda) is None else "sdpa"
+    if name == "triton" and (problem := _triton_problem(cuda)):
+        raise ConfigError(f"attention backend 'triton' cannot run here: {problem}. Use 'sdpa' (or 'auto').")
     return name
+
+
+def _triton_problem(cuda: bool) -> str | None:
+    """Why the Triton kernel cannot run on this device, or None when it can."""
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("it needs a CUDA GPU (on a CPU only Triton's interpreter runs it, slowly, for tests: set "
+                "TRITON_INTERPRET=1 before triton is imported)")
+    try:
+        from .kernels import tree_attention  # noqa: F401
+    except ImportError as e:
+        return f"triton does not import ({e}); pip install triton"
+    return None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, backend: str) -> torch.Tensor:
@@ -94,6 +110,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, b
         # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key
         # blocks past each tile's last node; the drafter's all-visible block is not.
         return tree_attention(q, k, v, vis.past_len, vis.bits(n, q.device), causal_tree=vis.ancestors is not None)
+    if backend != "sdpa":
+        raise ValueError(f"attention backend {backend!r} is not a resolved one ('sdpa' or 'triton'): resolve it once "
+                         "with resolve_backend() when the model is built")
     hkv = k.shape[0]
     group = hq // hkv
     # Fold the query heads that share a KV head into the query axis: no copy of K/V for GQA.

@@ -1,12 +1,13 @@
 """The benchmark matrix: datasets x temperatures x methods (ar, dflash, ddtree at several budgets).
 
-    python -m ddtree.benchmark                      # quick default (fits ~30 min on a 2-core CPU)
+    python -m ddtree.benchmark                      # quick default (<= 10 min on a 2-core CPU)
     python -m ddtree.benchmark --full               # the paper-style matrix (hours on CPU; see --help)
     torchrun --nproc_per_node=N -m ddtree.benchmark # prompts sharded over N processes
 
-For every prompt all methods run back to back (interleaved, `ar` first), so machine drift hits them alike;
-speedup = method tokens/s / `ar` tokens/s over the same prompts (= ar time / method time at T=0, where both
-produce identical tokens; at T>0 samples may differ in length). Every greedy (T=0) output is checked
+For every prompt all methods run back to back (interleaved, `ar` first; runner.py, shared with `compare`),
+so machine drift hits them alike; speedup = method tokens/s / `ar` tokens/s over the same prompts (= ar time /
+method time at T=0, where both produce identical tokens; at T>0 samples may differ in length). The run's
+total time is estimated after the warm-up and again after the first prompt. Every greedy (T=0) output is checked
 against `ar`'s with the target's own logits: a tie flip (a top-2 logit margin within rounding noise) is counted,
 anything else is an ERROR, printed loudly, and makes the process exit with status 1.
 
@@ -14,6 +15,8 @@ Each record (one prompt x method x configuration) is one JSON line in OUT/record
 records.rank<R>.jsonl under torchrun, merged by rank 0). Records are keyed by a hash of the full configuration;
 a re-run skips prompts whose records all exist, so an interrupted run resumes where it stopped.
 Summaries: OUT/summary.md, summary.tex, summary.json; OUT/last_run.json names the records of the last run.
+With --traces, OUT/traces.jsonl gets one line per decoding step (the tree, the target's choices, the accepted
+path: traces.py), keyed like the records; plot_results.py draws acceptance by depth and sibling rank from it.
 
 (`--inject-mismatch`, hidden from --help, is a self-test of the checker: it corrupts one token of the first
 ddtree output before checking it, so the tests can prove that a mismatch is caught and fails the run.)
@@ -31,23 +34,29 @@ from pathlib import Path
 
 import torch
 
-from .compare import method_label, parse_budget, parse_method
 from .config import ConfigError, cli_int
+from .cost_cache import machine_name
 from .datasets import dataset_name, load_prompts
 from .files import output_dir
 from .hf_baseline import HFBaseline
+from .method_spec import SYNTAX, MethodSpec, parse_methods
+from .runner import RunSettings, run_prompt, summarize_methods
 from .stats import STAGES
 
 # Presets: values used for options not given on the command line.
 PRESETS = {
-    # Greedy and sampled, every budget, Hugging Face generate() beside ar. The 2-core AMX Xeon ran 2 prompts x
-    # 64 tokens at T=0 in 2.5 min with the shipped drafter; this preset took 22 min, measured before T>0 draws
-    # were limited to the walk (which shortens its T=1 half).
+    # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
+    # that pay on a CPU and auto, greedy and sampled, on the three sets. Sized from per-token costs (2 threads,
+    # shipped drafter, docs/cpu-speed.md): on the AVX2 EPYC in fp32 (the slower kind; ar ~52 ms/token) the
+    # methods sum to ~0.56 s per token position at T=0 and ~0.54 s at T=1, so 3 sets x 2 prompts x 64 tokens
+    # x 2 temperatures ~ 420 s of decoding, plus loading, warm-up and the verify-cost calibration (once per
+    # machine); ~0.7x that on the AMX Xeon in bf16 (ar ~36 ms/token).
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
-                  budgets="16,32,64,128,256,auto", num_prompts=4, max_new_tokens=96),
-    # The paper-style matrix: 20 prompts per set, 256 tokens: a few hours on that CPU, minutes on one GPU.
+                  budgets="8,16,32,auto", num_prompts=2, max_new_tokens=64),
+    # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
+    # minutes on one GPU.
     "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
-                 budgets="16,32,64,128,256,auto", num_prompts=20, max_new_tokens=256),
+                 budgets="8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
                  num_prompts=2, max_new_tokens=8),
@@ -63,10 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--datasets", help="comma-separated: humaneval, mt-bench, gsm or JSONL paths")
     p.add_argument("--temperatures", help="comma-separated, e.g. 0,1 (0 = greedy, checked against ar)")
     p.add_argument("--methods",
-                   help="comma-separated; plain `ddtree` expands to every --budgets value, ddtree:N adds one "
-                        "budget, hf adds Hugging Face generate() on the same weights (greedy runs only); ar is "
-                        "always run (it is the reference) (default: ar,hf,dflash,ddtree)")
-    p.add_argument("--budgets", help="DDTree budgets (draft nodes per step) for plain `ddtree`")
+                   help=f"comma-separated: {SYNTAX}; plain `ddtree` expands to every --budgets value, hf is Hugging "
+                        "Face generate() on the same weights (greedy runs only); ar is always run (it is the "
+                        "reference) (default: ar,hf,dflash,ddtree)")
+    p.add_argument("--budgets", help="DDTree budgets for plain `ddtree`: integers >= 1 (draft nodes per step) or auto")
     p.add_argument("--num-prompts", type=cli_int(1), help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=cli_int(1))
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
@@ -82,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
+    p.add_argument("--traces", action="store_true",
+                   help="write per-step tree traces to OUT/traces.jsonl (timings then include ~1 ms per step "
+                        "for them, so traced records are kept apart from untraced ones)")
     # Self-test of the lossless checker: corrupt one ddtree output token before checking it, so a test can
     # prove that a mismatch is caught, reported and turns into a non-zero exit status. Never use for results.
     p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)
@@ -95,21 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _describe(preset: dict) -> str:
     return ", ".join(f"{k.replace('_', '-')}={v}" for k, v in preset.items())
-
-
-def method_specs(methods: str, budgets: str) -> list[tuple[str, int | str | None]]:
-    """['ar', 'dflash', 'ddtree'] + budgets -> [(name, budget)], ar first, duplicates dropped. A budget is an
-    integer or 'auto' (the adaptive budget); `hf` is Hugging Face generate() on the same weights (greedy only)."""
-    try:
-        budget_list = [parse_budget(b) for b in budgets.split(",") if b.strip()]
-    except ConfigError:
-        raise ConfigError(f"--budgets must be comma-separated integers or 'auto', got {budgets!r}") from None
-    specs = [("ar", None)]
-    for m in (m.strip() for m in methods.split(",") if m.strip()):
-        if m not in ("ar", "hf", "dflash", "ddtree") and not m.startswith("ddtree:"):
-            raise ConfigError(f"unknown method {m!r}; use ar, hf, dflash, ddtree, ddtree:N or ddtree:auto")
-        specs += [("ddtree", b) for b in budget_list] if m == "ddtree" else [parse_method(m, 0)]
-    return list(dict.fromkeys(specs))
 
 
 def parse_floats(text: str, option: str) -> list[float]:
@@ -137,7 +134,8 @@ def build_plan(args, pair, specs) -> list[dict]:
     base = dict(target=args.target or "embedded:SmolLM2-135M-Instruct", drafter=drafter_fingerprint(pair),
                 dtype=str(pair.dtype).removeprefix("torch."), device=pair.device.type, threads=args.threads,
                 max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, block_size=args.block_size,
-                attention=args.attention, **({"inject_mismatch": True} if args.inject_mismatch else {}))
+                attention=args.attention, **({"inject_mismatch": True} if args.inject_mismatch else {}),
+                **({"traces": True} if args.traces else {}))
     groups = []
     for spec in args.datasets.split(","):
         name = dataset_name(spec)
@@ -145,10 +143,10 @@ def build_plan(args, pair, specs) -> list[dict]:
         for temperature in parse_floats(args.temperatures, "--temperatures"):
             for index, prompt in enumerate(prompts):
                 prompt_sha = hashlib.sha1(prompt.encode()).hexdigest()[:12]
-                slots = [dict(method=method_label(*s), name=s[0], budget=s[1], key=record_key(
+                slots = [dict(method=s.label, spec=s, key=record_key(
                     {**base, "dataset": name, "prompt_index": index, "prompt_sha": prompt_sha,
-                     "temperature": temperature, "seed": args.seed + index, "method": method_label(*s)}))
-                    for s in specs if not (s[0] == "hf" and temperature > 0)]  # hf: greedy only
+                     "temperature": temperature, "seed": args.seed + index, "method": s.label}))
+                    for s in specs if not (s.name == "hf" and temperature > 0)]  # hf: greedy only
                 groups.append(dict(dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
                                    prompt_sha=prompt_sha, seed=args.seed + index, slots=slots))
     return groups
@@ -167,44 +165,64 @@ def load_records(out: Path) -> dict[str, dict]:
     return records
 
 
-def run_group(pair, group, args, env, sink, progress, inject: list, hf) -> list[dict]:
-    """Decode one prompt with every method (ar first), check greedy outputs against ar, append records."""
-    out, reference = [], None
-    for slot in group["slots"]:
-        name, budget = slot["name"], slot["budget"]
-        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
-                                 f"{slot['method']}")
-        if name == "hf":
-            res = hf.generate(group["prompt"], args.max_new_tokens)
-        else:
-            res = pair.generate(group["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
-                                temperature=group["temperature"], top_p=args.top_p, top_k=args.top_k,
-                                max_new_tokens=args.max_new_tokens, seed=group["seed"])
-        tokens = list(res.token_ids)
-        rec = dict(key=slot["key"], dataset=group["dataset"], temperature=group["temperature"],
-                   prompt_index=group["prompt_index"], prompt_sha=group["prompt_sha"], seed=group["seed"],
-                   max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, **res.stats.as_dict())
-        rec.update(method=slot["method"], method_name=name)  # the stats' "method" is the bare name: keep the label
-        if name == "ddtree" and inject:  # --inject-mismatch: corrupt one token of the first ddtree output
+def run_group(pair, group, args, env, sinks, progress, inject: list, hf) -> list[dict]:
+    """Decode one prompt with every method (runner.run_prompt: ar first, greedy outputs checked against it),
+    append the records (and with --traces their per-step traces) to the sinks."""
+    settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
+                           trace=args.traces)
+    fields = dict(dataset=group["dataset"], temperature=group["temperature"], prompt_index=group["prompt_index"],
+                  prompt_sha=group["prompt_sha"], seed=group["seed"], max_new_tokens=args.max_new_tokens,
+                  top_p=args.top_p, top_k=args.top_k)
+    keys = {slot["method"]: slot["key"] for slot in group["slots"]}
+
+    def tamper(spec, tokens, rec):  # --inject-mismatch: corrupt one token of the first ddtree output
+        if spec.name == "ddtree" and inject:
             inject.clear()
             pos = len(tokens) // 2
             tokens[pos:pos + 1] = [(tokens[pos] + 1) % pair.target.cfg.vocab_size] if tokens else [0]
             rec["injected_mismatch_at"] = pos
-        if name == "ar":
-            reference, rec["check"] = (res.prompt_ids, tokens), "reference"
-        elif group["temperature"] > 0:
-            rec["check"] = "skipped (T > 0)"
-        else:
-            verdict = pair.check(reference[0], reference[1], tokens)
-            rec["check"], rec["check_detail"] = verdict.kind, verdict.describe()
-            if verdict.kind == "error":
-                shout_error(rec)
-        rec.update(token_ids=tokens, text=pair.decode(tokens), env=env, finished_at=time.time())
-        sink.write(json.dumps(rec) + "\n")
-        sink.flush()
-        out.append(rec)
+        return tokens
+
+    def on_record(rec):
+        rec.update(key=keys[rec["method"]], **fields, text=pair.decode(rec["token_ids"]), env=env,
+                   finished_at=time.time())
+        if rec["check"] == "error":
+            shout_error(rec)
+        for i, step in enumerate(rec.pop("trace", None) or []):
+            sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, **fields, **step))
+                                  + "\n")
+        sinks["records"].write(json.dumps(rec) + "\n")
+        sinks["records"].flush()
+        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
+                                 f"{rec['method']}")
         progress.update(1)
-    return out
+
+    specs = [slot["spec"] for slot in group["slots"]]
+    return run_prompt(pair, group["prompt"], specs, settings, group["seed"], hf, tamper, on_record)
+
+
+WARMUP_TOKENS = 8
+
+
+def estimate_seconds(measured: list[dict], groups: list[dict], args) -> float:
+    """Seconds the runs of `groups` should take, from `measured` records: per method its prefill plus its
+    seconds per generated token times max_new_tokens (methods not measured take the slowest one's)."""
+    rates = {r["method"]: (r["time_to_first_token"], (r["seconds"] - r["time_to_first_token"]) /
+                           max(1, r["new_tokens"] - 1)) for r in measured}
+    slowest = max(rates.values(), key=lambda rate: rate[1], default=(0.0, 0.0))
+    return sum(first + per_token * args.max_new_tokens
+               for g in groups for slot in g["slots"]
+               for first, per_token in [rates.get(slot["method"], slowest)])
+
+
+def _minutes(seconds: float) -> str:
+    return f"~{seconds / 60:.1f} min (ends about {time.strftime('%H:%M', time.localtime(time.time() + seconds))})"
+
+
+def say(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[benchmark] {message}", file=sys.stderr)
 
 
 def shout_error(rec: dict) -> None:
@@ -243,11 +261,16 @@ def barrier(world: int) -> None:
 
 
 def merge_shards(out: Path, records: dict[str, dict]) -> None:
-    """Rank 0, after the barrier: rewrite records.jsonl with every record once, then drop the rank shards."""
+    """Rank 0, after the barrier: rewrite records.jsonl with every record once, append the ranks' traces to
+    traces.jsonl, then drop the rank shards."""
     tmp = out / "records.jsonl.tmp"
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
     os.replace(tmp, out / "records.jsonl")
     for shard in out.glob("records.rank*.jsonl"):
+        shard.unlink()
+    for shard in sorted(out.glob("traces.rank*.jsonl")):
+        with open(out / "traces.jsonl", "a", encoding="utf-8") as f:
+            f.write(shard.read_text())
         shard.unlink()
 
 
@@ -259,21 +282,9 @@ def environment(pair, threads: int, world: int) -> dict:
 
     return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 device=str(pair.device), dtype=str(pair.dtype).removeprefix("torch."), threads=threads,
-                world_size=world, cpu=_cpu_model(), target=pair.name, drafter=pair.drafter.label,
+                world_size=world, cpu=machine_name("cpu"), target=pair.name, drafter=pair.drafter.label,
                 gpu=torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
                 git_commit=_git_commit())
-
-
-def _cpu_model() -> str:
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 def _git_commit() -> str | None:
@@ -290,34 +301,12 @@ def _git_commit() -> str | None:
     return (head + ("+dirty" if dirty else "")) if head else None
 
 
-def summarize(records: list[dict], specs) -> list[dict]:
-    """One row per dataset x temperature x method. Speedup uses ar's time on the same prompts."""
+def summarize(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
+    """One row per dataset x temperature x method (runner.summarize_methods: speedup over ar, same prompts)."""
     rows = []
-    cells = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in records))
-    for dataset, temperature in cells:
+    for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in records):
         cell = [r for r in records if r["dataset"] == dataset and r["temperature"] == temperature]
-        ar = {r["prompt_index"]: r for r in cell if r["method"] == "ar"}
-        for name, budget in specs:
-            recs = [r for r in cell if r["method"] == method_label(name, budget)]
-            if not recs:
-                continue
-            secs = sum(r["seconds"] for r in recs)
-            new = sum(r["new_tokens"] for r in recs)
-            # Throughput ratio over the same prompts. It equals ar time / method time whenever both produce the
-            # same tokens (always at T=0); at T>0 samples may stop at different lengths, which time would punish.
-            ar_same = [ar[r["prompt_index"]] for r in recs if r["prompt_index"] in ar]
-            ar_secs = sum(a["seconds"] for a in ar_same)
-            ar_rate = sum(a["new_tokens"] for a in ar_same) / ar_secs if ar_secs else 0.0
-            stages = {st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new) for st in STAGES}
-            rows.append(dict(dataset=dataset, temperature=temperature, method=method_label(name, budget),
-                             budget=budget, prompts=len(recs), new_tokens=new, seconds=secs,
-                             tau=sum(sum(r["acceptance_lengths"]) for r in recs) / max(1, sum(r["steps"] for r in recs)),
-                             mean_nodes=sum(sum(r.get("tree_sizes", [])) for r in recs) /
-                             max(1, sum(r["steps"] for r in recs)),
-                             tokens_per_second=new / secs if secs else 0.0,
-                             speedup=new / secs / ar_rate if secs and ar_rate else 0.0, stage_ms_per_token=stages,
-                             tie_flips=sum(r["check"] == "tie_flip" for r in recs),
-                             errors=sum(r["check"] == "error" for r in recs)))
+        rows += [dict(dataset=dataset, temperature=temperature, **row) for row in summarize_methods(cell, specs)]
     return rows
 
 
@@ -381,7 +370,7 @@ def _main(args) -> int:
     args.threads = args.threads or default_threads(world)
     torch.set_num_threads(args.threads)
     out = output_dir(args.out, "--out")
-    specs = method_specs(args.methods, args.budgets)
+    specs = parse_methods(args.methods, args.budgets)
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
@@ -397,24 +386,34 @@ def _main(args) -> int:
               f"{world} process(es); {sum(len(g['slots']) for g in todo)} runs to do on rank 0, "
               f"{len(mine) - len(todo)} groups cached", file=sys.stderr)
     errors = 0
-    shard = out / ("records.jsonl" if world == 1 else f"records.rank{rank}.jsonl")
+    suffix = "" if world == 1 else f".rank{rank}"
+    shard, trace_shard = out / f"records{suffix}.jsonl", out / f"traces{suffix}.jsonl"
     progress = tqdm(total=sum(len(g["slots"]) for g in todo), desc=f"rank {rank}", unit="run", position=rank,
                     disable=args.no_progress, dynamic_ncols=True)
     hf = HFBaseline(pair)
-    if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's calibration) stay out
-        for name, budget in specs:
-            if name == "hf":
-                hf.generate(todo[0]["prompt"], 2)
-            else:
-                pair.generate(todo[0]["prompt"], method=name, budget=budget or 64, block_size=args.block_size,
-                              max_new_tokens=2)
+    started = time.perf_counter()
+    if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
+        warm = run_prompt(pair, todo[0]["prompt"], specs, RunSettings(WARMUP_TOKENS, block_size=args.block_size),
+                          hf=hf)
+        if rank == 0:
+            say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
+                f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")
     inject = [True] if args.inject_mismatch else []  # consumed by the first ddtree run
-    with open(shard, "a", encoding="utf-8") as sink:
-        if sink.tell() and not shard.read_bytes().endswith(b"\n"):
-            sink.write("\n")  # a crash cut the last line short: never glue a new record onto it
-        for group in todo:
-            recs = run_group(pair, group, args, env, sink, progress, inject, hf)
+    with open(shard, "a", encoding="utf-8") as sink, open(trace_shard, "a", encoding="utf-8") as traces:
+        for path, f in ((shard, sink), (trace_shard, traces)):
+            if f.tell() and not path.read_bytes().endswith(b"\n"):
+                f.write("\n")  # a crash cut the last line short: never glue a new record onto it
+        for i, group in enumerate(todo):
+            t0 = time.perf_counter()
+            recs = run_group(pair, group, args, env, {"records": sink, "traces": traces}, progress, inject, hf)
             errors += sum(r["check"] == "error" for r in recs)
+            if i == 0 and rank == 0 and len(todo) > 1:
+                scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(recs, todo[:1], args))
+                left = estimate_seconds(recs, todo[1:], args) * scale  # the checks and the rest, as measured
+                say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first prompt's "
+                    f"runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are shorter)")
+    if trace_shard.stat().st_size == 0:
+        trace_shard.unlink()
     progress.close()
     barrier(world)
     if rank != 0:

@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from .compare import parse_budget
 from .config import ConfigError
+from .method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -22,8 +22,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=parse_budget, default=64,
-                   help="DDTree draft nodes per step, or 'auto' (adaptive, from a start-up cost model; default: %(default)s)")
+    p.add_argument("--budget", help=f"a bare ddtree's draft nodes per step, or 'auto' (adaptive; from a verify-cost "
+                                    f"curve measured once per machine; default: {DEFAULT_BUDGET})")
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = sub.add_parser("generate", help="decode one prompt and print the text and statistics")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--method", default="ddtree", choices=["ar", "dflash", "ddtree"])
+    gen.add_argument("--method", default="ddtree", help="ar, dflash, ddtree, ddtree:N or ddtree:auto (default: ddtree)")
     gen.add_argument("--seed", type=int)
     gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     _model_args(gen)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cmp = sub.add_parser("compare", help="run several methods on the same prompts; check them against ar")
     cmp.add_argument("prompts", nargs="+", help="prompt texts")
-    cmp.add_argument("--methods", default="ar,dflash,ddtree", help="comma-separated, e.g. ar,dflash,ddtree:32")
+    cmp.add_argument("--methods", default="ar,dflash,ddtree", help=f"comma-separated: {SYNTAX}")
     cmp.add_argument("--seed", type=int, default=0)
     _model_args(cmp)
     _decode_args(cmp)
@@ -61,11 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         from . import api
         from .compare import compare as run_compare
 
+        if args.command == "generate":  # bad method specs fail before the model loads
+            method = MethodSpec.parse(args.method, args.budget)
+        else:
+            methods = parse_methods(args.methods, None if args.budget is None else [args.budget])
         pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         if args.command == "generate":
-            res = pair.generate(args.prompt, method=args.method, budget=args.budget, seed=args.seed, **common)
+            res = pair.generate(args.prompt, method=method, seed=args.seed, **common)
             s = res.stats
             if args.json:
                 print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": s.as_dict()}))
@@ -78,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             stages = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in s.stage_seconds.items())
             print(f"stages: {stages}", file=sys.stderr)
         else:
-            result = run_compare(pair, args.prompts, methods=args.methods.split(","), budget=args.budget,
-                                     seed=args.seed, **common)
+            result = run_compare(pair, args.prompts, methods=methods, seed=args.seed, **common)
             return 0 if result.ok else 1
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .attention import Visibility, attend, resolve_backend, window_visible
+from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary
@@ -168,7 +168,7 @@ def _attention_options(cfg: dict, dflash: dict, num_layers: int) -> dict:
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig, attention_backend: str = "auto"):
+    def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa"):
         super().__init__()
         m = cfg.model
         self.cfg = cfg
@@ -226,7 +226,7 @@ class DFlashDrafter(nn.Module):
         h = self.target.embed(block)  # [B, H]
         positions = torch.arange(cache.length, cache.length + length, device=h.device)
         cos, sin = self.rotary(positions, h.dtype)
-        backend = resolve_backend(self.attention_backend, h.device)
+        backend = self.attention_backend  # resolved at load
         visibility = self._visibility(positions, cache.length)
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
@@ -290,7 +290,7 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
-             attention_backend: str = "auto", target=None) -> "DFlashDrafter":
+             attention_backend: str = "sdpa", target=None) -> "DFlashDrafter":
         """With `target`, its config is checked against the drafter's before any weights are read (the
         mismatch named, not a size error), and the drafter comes back bound to it."""
         from .loading import check_shapes, read_config, read_safetensors

@@ -1,5 +1,6 @@
 """One decoding loop for every method. A method only decides what to propose each step (a lone root, a
-chain, or a tree); verifying (one target pass), walking and committing are shared.
+chain, or a tree); verifying (one target pass), walking and committing are shared. The loop knows no method
+by name: it calls method.prepare() once, then propose() and observe() each step.
 
     prefill prompt -> bonus
     loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
@@ -14,107 +15,143 @@ import time
 import numpy as np
 import torch
 
-from .attention import Visibility, resolve_backend
+from .attention import Visibility
+from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .config import ConfigError, SamplingParams, check_int
+from .cost_cache import verify_costs
+from .method_spec import MethodSpec
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
-from .budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
+from .traces import step_record
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
 
-METHODS = ("ar", "dflash", "ddtree")
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
 
 
 class Method:
-    name = ""
+    """What one method decides: the tree each step verifies. A method is self-contained: whatever it learns
+    across steps and prompts (the adaptive budget's cost model and trust in the drafter) is its own state; the
+    loop only calls prepare() once per generation, then propose() and observe() each step."""
     uses_drafter = True
-    budget: int | None = None
     block_size: int | None = None
+
+    def __init__(self, spec: MethodSpec):
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def max_nodes(self) -> int:
         """Largest tree (root included) this method verifies in one pass."""
         raise NotImplementedError
 
+    def prepare(self, target, drafter) -> None:
+        """Before each generation, outside its timing: load or measure what the method needs (once), and
+        start a new prompt."""
+
     def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
+        """The tree to verify, rooted at `bonus` [1]. The one place that decides a plain step (the root alone,
+        exactly plain decoding): when no draft of >= 1 token fits the `room` left, or the method declines."""
+        length = min(self.block_size or 1, room)
+        if length < 2 or not self.wants_draft():
+            return DraftTree(bonus, *chain_parents(1))
+        return self.draft(drafter, dcache, bonus, length, room, timer)
+
+    def wants_draft(self) -> bool:
+        return self.uses_drafter
+
+    def draft(self, drafter, dcache, bonus: torch.Tensor, length: int, room: int, timer) -> DraftTree:
+        """A drafted tree over block positions 1..length-1 (length >= 2), at most `room` nodes."""
         raise NotImplementedError
 
     def observe(self, accepted: int) -> None:
-        """Feedback after each verify: `accepted` draft tokens (bonus excluded). Only adaptive methods use it."""
+        """Feedback after each verify: `accepted` draft tokens (bonus excluded)."""
 
 
 class AR(Method):
     """Plain autoregressive decoding: the tree is the root alone."""
-    name, uses_drafter = "ar", False
+    uses_drafter = False
 
     def max_nodes(self) -> int:
         return 1
 
-    def propose(self, drafter, dcache, bonus, room, timer):
-        return DraftTree(bonus, *chain_parents(1))
-
 
 class DFlash(Method):
     """Linear DFlash: the drafter's argmax at each block position, verified as a chain."""
-    name = "dflash"
 
-    def __init__(self, block_size: int):
-        if block_size < 2:
-            raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
+    def __init__(self, spec: MethodSpec, block_size: int):
+        super().__init__(spec)
         self.block_size = block_size
 
     def max_nodes(self) -> int:
         return self.block_size
 
-    def propose(self, drafter, dcache, bonus, room, timer):
-        length = min(self.block_size, room)
-        if length < 2:
-            return DraftTree(bonus, *chain_parents(1))
+    def draft(self, drafter, dcache, bonus, length, room, timer):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
-            tokens = torch.cat([bonus, drafter.to_target_ids(logits.argmax(dim=-1))])
-            return DraftTree(tokens, *chain_parents(length))
+            ids = logits.argmax(dim=-1)  # [length - 1] in the draft vocabulary
+            tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
+            return DraftTree(tokens, *chain_parents(length), draft_logits=logits, draft_ids=ids)
 
 
 class DDTree(Method):
-    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree. With a cost
-    model (budget="auto") each step keeps only the first b* of them, b* maximizing expected tokens/second."""
-    name = "ddtree"
+    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree."""
 
-    def __init__(self, budget: int, block_size: int, adaptive: bool = False):
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:  # True is not a budget of 1
-            raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step) or 'auto', got {budget!r}")
-        if block_size < 2:
-            raise ConfigError(f"block_size must be >= 2 for dflash/ddtree, got {block_size}")
-        self.budget, self.block_size, self.adaptive = budget, block_size, adaptive
-        self.cost: CostModel | None = None  # set by the Decoder when adaptive
-        self.calibration: EdgeCalibration | None = None  # likewise (shared across the decoder's generations)
-        self.gate: DraftGate | None = None  # likewise
-        self._last = None  # (path log-probs, depths) of the nodes verified in the current step
+    def __init__(self, spec: MethodSpec, budget: int, block_size: int):
+        super().__init__(spec)
+        self.budget, self.block_size = budget, block_size
 
     def max_nodes(self) -> int:
         return self.budget + 1
 
-    def propose(self, drafter, dcache, bonus, room, timer):
-        length = min(self.block_size, room)
-        if length < 2 or (self.gate is not None and not self.gate.draft_now(self.cost)):
-            return DraftTree(bonus, *chain_parents(1))  # a plain step: drafting does not pay (see DraftGate)
+    def draft(self, drafter, dcache, bonus, length, room, timer):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
             parents, depths, tokens, scores = best_first_nodes(logits.float().log_softmax(dim=-1),
                                                                min(self.budget, room - 1))
-            if self.cost is not None:  # pop order: any prefix is a tree
-                scale = self.calibration.c if self.calibration is not None else 1.0
-                b = choose_budget(scores, self.cost, depths[1:], scale)
-                parents, depths, tokens = parents[:b + 1], depths[:b + 1], tokens[:b]
-                self._last = (scores[:b], depths[1:])
-            drafts = drafter.to_target_ids(torch.tensor(tokens, dtype=torch.long, device=bonus.device))
-            tokens = torch.cat([bonus, drafts])
-            return DraftTree(tokens, parents, depths)
+            b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
+            ids = torch.tensor(tokens[:b], dtype=torch.long, device=bonus.device)  # [b] in the draft vocabulary
+            tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
+            return DraftTree(tokens, parents[:b + 1], depths[:b + 1], draft_logits=logits, draft_ids=ids)
+
+    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
+        """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
+        return len(path_logprobs)
+
+
+class AdaptiveDDTree(DDTree):
+    """budget="auto": each step keeps the first b* best-first nodes, b* maximizing expected tokens per second
+    under a verify-cost curve measured once per machine (cached on disk, ddtree/cost_cache.py). Its trust in
+    the drafter (EdgeCalibration) and whether drafting pays at all (DraftGate) are learned across the steps
+    and prompts this object decodes; while drafting loses, steps are plain ones (see DraftGate)."""
+
+    def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
+        super().__init__(spec, max_budget, block_size)
+        self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
+        self.calibration = EdgeCalibration()
+        self.gate = DraftGate()
+        self._last = None  # (path log-probs, depths) of the nodes verified in the current step
+
+    def prepare(self, target, drafter) -> None:
+        if self.cost is None:
+            self.cost = verify_costs(target, drafter, self.block_size, self.max_nodes())
+            # a tree the calibration stopped short of costs more than a fully accepted block can repay
+            self.budget = max(1, min(self.budget, self.cost.sizes[-1] - 1))
+        self.gate.restart()
+
+    def wants_draft(self) -> bool:
+        return self.gate.draft_now(self.cost)
+
+    def keep(self, path_logprobs, depths):
+        b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c)
+        self._last = (path_logprobs[:b], depths[:b])
+        return b
 
     def observe(self, accepted: int) -> None:
-        if self._last is None:  # a plain step, or not adaptive
+        if self._last is None:  # a plain step
             return
         logp, depths = self._last
         self.calibration.update(logp, depths, accepted)
@@ -122,20 +159,39 @@ class DDTree(Method):
         self._last = None
 
 
-def make_method(name: str, budget: int | str = 64, block_size: int | None = None, drafter=None) -> Method:
-    """budget: draft nodes per step for ddtree, or "auto" (adaptive, up to AUTO_MAX_BUDGET)."""
-    if name not in METHODS:
-        raise ConfigError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
-    if name == "ar":
-        return AR()
+def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None,
+                drafter=None) -> Method:
+    """A Method for `method` (a MethodSpec or its text: 'ar', 'dflash', 'ddtree', 'ddtree:32', 'ddtree:auto';
+    a bare 'ddtree' takes `budget`). Budgets and block sizes that cannot help are refused here, once."""
+    spec = MethodSpec.parse(method, budget)
+    if spec.name == "ar":
+        return AR(spec)
+    if spec.name == "hf":
+        raise ConfigError("method 'hf' is Hugging Face generate() on the same weights: it runs in compare and the "
+                          "benchmark (greedy only), not in the decoding loop; use ar, dflash or ddtree here")
     if drafter is None:
-        raise ConfigError(f"method {name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
-    block_size = drafter.block_size if block_size is None else check_int("block_size", block_size)
-    if name == "dflash":
-        return DFlash(block_size)
-    if budget == "auto":
-        return DDTree(AUTO_MAX_BUDGET, block_size, adaptive=True)
-    return DDTree(budget, block_size)
+        raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
+    block_size = check_block_size(block_size, drafter.block_size)
+    if spec.name == "dflash":
+        return DFlash(spec, block_size)
+    context = drafter.target.cfg.max_position_embeddings
+    if spec.adaptive:
+        return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size)
+    if spec.budget > context - 1:
+        raise ConfigError(f"budget {spec.budget} cannot help: a tree of {spec.budget} draft nodes and its root must fit "
+                          f"the target's context of {context} positions; use at most {context - 1}")
+    return DDTree(spec, spec.budget, block_size)
+
+
+def check_block_size(block_size, drafter_block: int) -> int:
+    """None: the drafter's own block. Otherwise 2..drafter_block: the drafter was trained to fill its block,
+    a longer one asks it for positions it never learned."""
+    if block_size is None:
+        return drafter_block
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= drafter_block:
+        raise ConfigError(f"block_size must be >= 2 and at most the drafter's block ({drafter_block}), an integer; got "
+                          f"{block_size!r}. Leave it unset to use the drafter's block")
+    return block_size
 
 
 class Decoder:
@@ -143,17 +199,6 @@ class Decoder:
 
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
-        self._costs: dict[tuple, CostModel] = {}
-        self.calibration = EdgeCalibration()  # the adaptive budget's trust in the drafter, kept across prompts
-        self.gate = DraftGate()  # and whether drafting pays at all
-
-    def cost_model(self, block_size: int, max_nodes: int) -> CostModel:
-        """The adaptive budget's cost model: measured once per (block size, size range, threads), then reused."""
-        key = (block_size, max_nodes, self.target.attention_backend, torch.get_num_threads())
-        if key not in self._costs:
-            sizes = tuple(n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if n < max_nodes) + (max_nodes,)
-            self._costs[key] = calibrate(self.target, self.drafter, sizes=sizes, block_size=block_size)
-        return self._costs[key]
 
     def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
         """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, only at the
@@ -180,16 +225,13 @@ class Decoder:
             raise ConfigError(f"method {method.name!r} needs a drafter")
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None) -> tuple[list[int], GenerationStats]:
+                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None,
+                 trace: list | None = None) -> tuple[list[int], GenerationStats]:
+        """trace: a list to append one record per decoding step to (the tree, the target's choices, the
+        accepted path; see traces.py), or None."""
         target, drafter, cfg = self.target, self.drafter, self.target.cfg
         self._validate(prompt_ids, method, max_new_tokens, seed)
-        if getattr(method, "adaptive", False):
-            if method.cost is None:
-                method.cost = self.cost_model(method.block_size, method.max_nodes())
-            if method.calibration is None:
-                method.calibration = self.calibration
-            if method.gate is None:
-                method.gate = self.gate
+        method.prepare(target, drafter)
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:
@@ -199,9 +241,8 @@ class Decoder:
         tcache = target.new_cache(capacity)
         dcache = drafter.new_cache(capacity) if method.uses_drafter else None
         taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
-        budget = "auto" if getattr(method, "adaptive", False) else method.budget
-        stats = GenerationStats(method.name, budget, method.block_size, m,
-                                attention_backend=resolve_backend(target.attention_backend, device),
+        stats = GenerationStats(method.name, method.spec.budget, method.block_size, m,
+                                attention_backend=target.attention_backend,
                                 backend=getattr(target, "backend", "own"),
                                 drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
         timer = StageTimer(device)
@@ -237,6 +278,8 @@ class Decoder:
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
             method.observe(n - 1)
+            if trace is not None:
+                trace.append(step_record(tree, choices, path))
             stats.acceptance_lengths.append(n)
             stats.tree_sizes.append(tree.size)
             # emit the accepted drafts and the bonus token, cut after a stop token or at max_new_tokens

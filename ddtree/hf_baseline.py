@@ -46,13 +46,13 @@ class HFBaseline:
     def __init__(self, pair):
         self.pair, self.model = pair, None
 
-    def generate(self, prompt, max_new_tokens: int):
+    def generate(self, prompt, max_new_tokens: int, chat: bool = True):
         from .api import GenerationResult
         from .stats import GenerationStats
 
         if self.model is None:
             self.model = to_hf_model(self.pair.target)
-        ids = self.pair.encode(prompt)
+        ids = self.pair.encode(prompt, chat)
         tokens, seconds = hf_generate(self.model, ids, max_new_tokens, self.pair.stop_ids)
         stats = GenerationStats("hf", None, None, len(ids), new_tokens=len(tokens), seconds=seconds,
                                 acceptance_lengths=[1] * max(0, len(tokens) - 1),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import resolve_backend
 from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig
 from .files import checksum, output_dir, replacing_dir, stat_stamp
 from .layers import Rotary
@@ -122,14 +123,20 @@ CACHE_MANIFEST = "ddtree-cache.json"
 STAMP_SETTLE_NS = 2_000_000_000
 
 
+def gguf_cache_dir(path: Path) -> Path:
+    """Where the dequantized copy of this GGUF file (by path, size, modification time and cache format) lives."""
+    stat = path.stat()
+    key = hashlib.sha1(f"{CACHE_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / f"{path.stem}-{key}"
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF once (transformers does the reading) and cache it as a Hugging Face directory, with
     SHA-256 checksums of its files; a cache that fails them is converted again. The cached model IS the target:
     a silently changed one would change every result. See verify_cache for what a load costs."""
     stat = path.stat()
     source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    key = hashlib.sha1(f"{CACHE_FORMAT}:{source['path']}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / f"{path.stem}-{key}"
+    out = gguf_cache_dir(path)
     if out.exists():
         problems = verify_cache(out)
         if not problems:
@@ -144,7 +151,7 @@ def convert_gguf(path: Path) -> Path:
 
     try:
         with replacing_dir(out) as tmp:
-            cfg = model.config.to_dict()
+            cfg = portable_config(model.config.to_dict())
             cfg.pop("quantization_config", None)
             state = {k: v.contiguous() for k, v in model.state_dict().items()}
             if cfg.get("tie_word_embeddings"):
@@ -212,6 +219,32 @@ def _write_manifest(directory: Path, manifest: dict) -> None:
     os.replace(tmp, directory / CACHE_MANIFEST)
 
 
+def portable_config(cfg: dict) -> dict:
+    """A config.json that every transformers version we support reads alike: `architectures` and `model_type`
+    set, and RoPE theta (and a non-default RoPE type) also where transformers 4.x reads them, at the top level
+    (`rope_theta`, `rope_scaling`): 5.x writes them inside `rope_parameters` only, and 4.57 then silently
+    decodes with theta 10000 (SmolLM2's is 100000)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = dict(cfg)
+    if not out.get("model_type"):
+        raise ConfigError("the converted config has no model_type; the GGUF's architecture is not supported")
+    if not out.get("architectures") and out["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        out["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[out["model_type"]]]
+    rope = dict(out.get("rope_parameters") or {})
+    if "rope_theta" in rope and out.get("rope_theta") is None:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
 def resolve_target_dir(target: str | os.PathLike | None) -> Path:
     path = default_target_path() if target is None else Path(target).expanduser()
     if not path.exists():
@@ -276,6 +309,7 @@ def choose_backend(directory: Path, backend: str = "auto") -> str:
 
 def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto", backend: str = "auto"):
     """The target model: the own-code TargetModel, or the generic hf_target.HFTarget (see choose_backend)."""
+    attention_backend = resolve_backend(attention_backend, device)  # once, here: passes never read the environment
     if choose_backend(directory, backend) == "hf":
         from .hf_target import load_hf_target
 
@@ -285,8 +319,9 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
         cfg = ModelConfig.from_hf(raw)
     except ConfigError as e:
         raise ConfigError(f"{directory}: {e}") from None
+    backend = attention_backend
     with torch.device("meta"):  # no random init of weights we are about to replace
-        model = TargetModel(cfg, attention_backend)
+        model = TargetModel(cfg, backend)
     state = read_safetensors(directory)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

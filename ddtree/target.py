@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .attention import Visibility, attend, resolve_backend
+from .attention import Visibility, attend
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary
@@ -31,7 +31,7 @@ class TargetModel(nn.Module):
 
     backend = "own"  # the target backend (ddtree.hf_target.HFTarget is the generic one)
 
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
         self.model = _Backbone(cfg)
@@ -39,7 +39,7 @@ class TargetModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg)
-        self.attention_backend = attention_backend
+        self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
 
     @property
     def device(self) -> torch.device:
@@ -65,7 +65,7 @@ class TargetModel(nn.Module):
                 tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
         """One pass over N new tokens [N] at `positions` [N]; writes their K/V at cache rows
         [cache.length, cache.length + N) without committing them (the caller commits)."""
-        backend = resolve_backend(self.attention_backend, self.device)
+        backend = self.attention_backend
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
         taps = []

@@ -18,6 +18,10 @@ class DraftTree:
     tokens: torch.Tensor  # [N] long, on the model's device; tokens[0] = root
     parents: np.ndarray  # [N] int64, parents[0] = -1
     depths: np.ndarray  # [N] int64, depths[0] = 0
+    # what the drafter said, for traces: its logits [depth, draft vocab] for block positions 1..depth, and the
+    # draft-vocabulary ids [N - 1] of nodes 1..N-1 (= tokens[1:] unless the drafter has a reduced vocabulary)
+    draft_logits: torch.Tensor | None = None
+    draft_ids: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

@@ -18,6 +18,17 @@ from ddtree.testing import random_pair
 torch.set_num_threads(1)  # tiny models: per-op overhead dominates, threads only contend
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _verify_costs_in_a_temporary_folder(tmp_path_factory):
+    """The adaptive budget's cost curves of the tests' tiny models stay out of the user's cache."""
+    from ddtree import cost_cache
+
+    folder = tmp_path_factory.mktemp("verify-costs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cost_cache, "costs_dir", lambda: folder)
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M target (slower; CI runs it)")
 

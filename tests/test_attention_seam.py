@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 from conftest import plant_oracle, run  # noqa: E402
+from ddtree.config import ConfigError  # noqa: E402
 from ddtree.attention import Visibility, attend, resolve_backend  # noqa: E402
 from ddtree.testing import random_pair  # noqa: E402
 
@@ -17,13 +18,45 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 
 
 def test_backend_selection(monkeypatch):
-    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_backend("triton", torch.device("cpu")) == "triton"
-    monkeypatch.setenv("DDTREE_ATTENTION", "sdpa")
-    assert resolve_backend("triton", torch.device("cpu")) == "sdpa"
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend("triton", cpu) == "triton"  # TRITON_INTERPRET=1 (conftest): the interpreter runs it
+    monkeypatch.setenv("DDTREE_ATTENTION", "triton")
+    assert resolve_backend("auto", cpu) == "triton"  # the environment fills in 'auto' ...
+    assert resolve_backend("sdpa", cpu) == "sdpa"  # ... and never overrides an explicit choice
     monkeypatch.setenv("DDTREE_ATTENTION", "flash9")
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        resolve_backend("auto", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="unknown attention backend 'flash9'"):
+        resolve_backend("auto", cpu)
+
+
+def test_triton_where_it_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ConfigError, match="'triton' cannot run here: it needs a CUDA GPU"):
+        resolve_backend("triton", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+
+
+def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
+    """The environment is read when the model is loaded, never on a forward pass."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ddtree.loading import load_target
+
+    target, _ = random_pair("llama", seed=2)
+    (tmp_path / "config.json").write_text(json.dumps(target.cfg.to_hf()))
+    save_file({k: v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "model.safetensors"))
+    monkeypatch.setenv("DDTREE_ATTENTION", "triton")
+    loaded = load_target(tmp_path, torch.float32, "cpu")
+    assert loaded.attention_backend == "triton"
+    monkeypatch.setenv("DDTREE_ATTENTION", "flash9")  # read on a pass, this would raise
+    ids = torch.tensor([1, 2, 3])
+    loaded(ids, torch.arange(3), loaded.new_cache(3), Visibility.causal(0, 3, "cpu"))
+    assert loaded.attention_backend == "triton"
+    with pytest.raises(ValueError, match="not a resolved one"):
+        attend(torch.zeros(4, 1, 16), torch.zeros(2, 1, 16), torch.zeros(2, 1, 16), Visibility(0, None), "auto")
 
 
 @pytest.mark.parametrize("ancestors", ["tree", "none"])

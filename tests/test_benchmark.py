@@ -31,6 +31,7 @@ def tiny_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     proc = run("bash", "run_benchmark.sh", "--tiny", "--threads", "1", "--no-progress", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "estimated time for the 18 runs: ~" in proc.stderr and "estimated total: ~" in proc.stderr
     return out
 
 
@@ -83,11 +84,12 @@ def test_injected_mismatch_fails(tmp_path):
     assert row.endswith("| 1 |")  # the errors column
 
 
-def test_hf_baseline_and_adaptive_budget_rows(tmp_path):
-    """`hf` (HF generate() on the same weights, greedy only) and `ddtree:auto` run, check and plot like the rest."""
+def test_hf_baseline_adaptive_budget_and_traces(tmp_path):
+    """`hf` (HF generate() on the same weights, greedy only) and `ddtree:auto` run, check and plot like the rest;
+    --traces writes one line per decoding step and the trace plots."""
     proc = run("bash", "run_benchmark.sh", "--tiny", "--datasets", "gsm", "--num-prompts", "1", "--temperatures",
                "0,1", "--methods", "ar,hf,dflash,ddtree", "--budgets", "16,auto", "--threads", "1", "--no-progress",
-               "--out", str(tmp_path))
+               "--traces", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = records(tmp_path)
     by = {(r["method"], r["temperature"]): r for r in recs}
@@ -96,6 +98,14 @@ def test_hf_baseline_and_adaptive_budget_rows(tmp_path):
     auto = by[("ddtree:auto", 0)]
     assert auto["check"] in ("identical", "tie_flip") and auto["budget"] == "auto"
     assert len(auto["tree_sizes"]) == auto["steps"] and 1 <= max(auto["tree_sizes"]) <= 257
+    steps = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    for r in recs:
+        if r["method"] == "hf":
+            continue
+        mine = [s for s in steps if s["key"] == r["key"]]
+        assert len(mine) == r["steps"] and [len(s["accepted"]) for s in mine] == r["acceptance_lengths"], r["method"]
+        assert all(len(s["tokens"]) == len(s["parents"]) == len(s["draft_logprobs"]) for s in mine)
     proc = run(sys.executable, "plot_results.py", "--results", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "plots" / "speedup_vs_budget.png").stat().st_size > 5000
+    for name in ("speedup_vs_budget", "trace_depth", "trace_rank", "trace_calibration"):
+        assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 5000, name

@@ -1,4 +1,7 @@
 """Adaptive DDTree budget: the cost model, the choice rule, the pop-order prefix property, losslessness."""
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -69,15 +72,42 @@ def test_adaptive_budget_is_lossless_and_adapts(pairs, arch):
 
 def test_calibration_on_a_tiny_model(pairs):
     target, drafter = pairs["llama"]
-    cost = calibrate(target, drafter, context=32, sizes=(1, 4, 16), repeats=1)
+    cost = calibrate(target, drafter, context=32, sizes=(1, 4, 16), repeats=1, stop_when_hopeless=False)
     assert cost.sizes == (1, 4, 16) and all(t > 0 for t in cost.verify_seconds) and cost.fixed_seconds > 0
     assert calibrate(target, drafter, context=32, sizes=(1,), repeats=1).sizes == (1,)  # block > largest size
-    # through the public path: budget="auto" calibrates once per decoder and decodes
-    dec = Decoder(target, drafter)
-    prompt = [1, 2, 3, 4]
-    reference, _ = run(target, None, prompt, "ar", max_new_tokens=12)
-    tokens, stats = dec.generate(prompt, make_method("ddtree", "auto", None, drafter), max_new_tokens=12)
-    assert tokens == reference and stats.budget == "auto" and len(dec._costs) == 1
+
+
+class SleepyTarget:
+    """A stand-in target and drafter for calibrate(): a verify pass over n nodes sleeps 10 ms x n^2, the
+    drafter's block pass 1 ms (a steep curve, so timer jitter cannot move the stopping size)."""
+    block_size = 2
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.cfg = SimpleNamespace(max_position_embeddings=4096, vocab_size=50, target_layer_ids=(0,))
+        self.sizes: list[int] = []
+
+    def new_cache(self, capacity):
+        return SimpleNamespace(commit=lambda n: None)
+
+    def __call__(self, ids, positions, cache, vis, taps, last_only=False):
+        if not last_only:  # a verify pass (the context prefill is last_only)
+            self.sizes.append(len(ids))
+            time.sleep(0.01 * len(ids) ** 2)
+        return SimpleNamespace(taps=None)
+
+    def add_context(self, cache, taps):
+        pass
+
+    def draft(self, cache, bonus, length):
+        time.sleep(0.001)
+
+
+def test_calibration_stops_at_hopeless_sizes():
+    """Once a step over n nodes costs more than a whole block of plain steps, larger trees are not timed."""
+    fake = SleepyTarget()
+    cost = calibrate(fake, fake, context=8, repeats=1)  # block 2: 1 ms + 40 ms > 2 x 10 ms, so stop at n = 2
+    assert cost.sizes == (1, 2) and set(fake.sizes) == {1, 2}, cost
 
 
 def test_edge_calibration_learns_distrust_and_keeps_trust():
@@ -107,30 +137,51 @@ def test_adaptive_budget_shrinks_for_a_confidently_wrong_drafter(pairs):
         return logits
 
     drafter.draft = types.MethodType(draft, drafter)
+    prompt = [3, 1, 4, 1, 5]
+    reference, _ = run(target, None, prompt, "ar", max_new_tokens=40)
+    cost = CostModel((1, 8, 64, 257), (1.0, 1.2, 3.0, 12.0), fixed_seconds=0.5)
+    runs = {}
     try:
-        prompt = [3, 1, 4, 1, 5]
-        reference, _ = run(target, None, prompt, "ar", max_new_tokens=40)
-        dec = Decoder(target, drafter)
-        method = make_method("ddtree", "auto", None, drafter)
-        method.cost = CostModel((1, 8, 64, 257), (1.0, 1.2, 3.0, 12.0), fixed_seconds=0.5)
-        tokens, stats = dec.generate(prompt, method, max_new_tokens=40)
+        for gated in (False, True):
+            method = make_method("ddtree", "auto", None, drafter)
+            method.cost = cost
+            if not gated:  # every step drafts: what the trust calibration alone does
+                method.gate = DraftGate(explore_every=1)
+            tokens, stats = Decoder(target, drafter).generate(prompt, method, max_new_tokens=40)
+            assert tokens == reference
+            runs[gated] = stats.tree_sizes, method.calibration.c  # the method's own state: the decoder has none
     finally:
         del drafter.draft
-    assert tokens == reference
-    assert stats.tree_sizes[0] >= 8 and max(stats.tree_sizes[-5:]) <= 3, stats.tree_sizes
-    assert dec.calibration.c < 0.3
-    # drafting never pays here: most steps skip the drafter (tree = root alone), every 8th explores
-    assert stats.tree_sizes.count(1) >= len(stats.tree_sizes) // 2, stats.tree_sizes
+    sizes, c = runs[False]
+    assert sizes[0] >= 8 and max(sizes[-5:]) <= 3 and c < 0.3, (sizes, c)
+    # drafting never pays here: with the gate, most steps skip the drafter (tree = root alone)
+    sizes, _ = runs[True]
+    assert sizes[0] >= 8 and sizes.count(1) >= 0.75 * len(sizes), sizes
 
 
 def test_draft_gate():
     cost = CostModel((1, 16), (1.0, 2.0), fixed_seconds=0.5)  # ar: 1 token/s
-    gate = DraftGate(explore_every=4)
+    gate = DraftGate(explore_every=4, max_interval=16)
     assert gate.draft_now(cost)  # no estimate yet: draft
     for _ in range(10):
         gate.update(tokens=1, seconds=2.5)  # drafted steps yield 0.4 tokens/s
-    decisions = [gate.draft_now(cost) for _ in range(12)]
-    assert decisions == [False, False, False, True] * 3  # skip, exploring every 4th step
+    decisions = [gate.draft_now(cost) for _ in range(4 + 8 + 16 + 16)]
+    explored = [i for i, d in enumerate(decisions) if d]
+    assert explored == [3, 11, 27, 43]  # explore after 4, then 8, then 16 (the cap) steps while drafting loses
     for _ in range(20):
         gate.update(tokens=5, seconds=2.5)  # now drafting yields 2 tokens/s
     assert all(gate.draft_now(cost) for _ in range(5))
+    assert gate.interval == 4  # a win resets the back-off
+
+
+def test_draft_gate_explores_early_in_each_prompt_and_an_exploring_win_counts():
+    cost = CostModel((1, 16), (1.0, 2.0), fixed_seconds=0.5)  # ar: 1 token/s
+    gate = DraftGate(explore_every=4, max_interval=64, explore_alpha=0.5)
+    gate.update(tokens=1, seconds=2.5)  # drafting lost (0.4 tokens/s) ...
+    for _ in range(100):
+        gate.draft_now(cost)
+    assert gate.interval == 64  # ... and backed off
+    gate.restart()  # a new prompt
+    assert [gate.draft_now(cost) for _ in range(4)] == [False, False, False, True] and gate.exploring
+    gate.update(tokens=5, seconds=2.5)  # the exploring step pays (2 tokens/s): half the estimate moves
+    assert gate.rate == pytest.approx(1.2) and gate.draft_now(cost) and not gate.exploring

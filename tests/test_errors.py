@@ -20,7 +20,7 @@ from ddtree.testing import char_tokenizer, random_pair, save_target
 
 @pytest.fixture
 def pair():
-    target, drafter = random_pair("llama", seed=1, max_position_embeddings=64)
+    target, drafter = random_pair("llama", seed=1, max_position_embeddings=128)  # room for budget 64
     return Pair(target, drafter, None)
 
 
@@ -93,8 +93,8 @@ def test_bad_prompts(pair):
         pair.generate("")
     with pytest.raises(ConfigError, match="no tokenizer"):
         pair.generate("hello")
-    with pytest.raises(ConfigError, match="context limit of 64"):
-        pair.generate(list(range(1, 66)))
+    with pytest.raises(ConfigError, match="context limit of 128"):
+        pair.generate([1] * 129)
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         pair.generate([1, 2, 10_000])
 

@@ -16,11 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 # import_module, not `from ... import tree_attention`: the package re-exports a function of the same name.
-try:
-    ta = importlib.import_module("ddtree.kernels.tree_attention")
-except ImportError:  # package mapping not wired yet: import the top-level kernels/ directory
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ta = importlib.import_module("kernels.tree_attention")
+ta = importlib.import_module("ddtree.kernels.tree_attention")
 
 if not torch.cuda.is_available() and not type(ta._tree_attention_kernel).__name__.startswith("Interpreted"):
     # Triton picks interpreter mode when it is imported (triton.language too); it cannot be switched later.
@@ -228,14 +224,13 @@ def test_input_validation():
 
 def test_compiles_for_h100_without_gpu():
     """AOT-compile one H100 config (the interpreter never exercises the GPU lowering): no spills, fits smem."""
-    script = os.path.join(os.path.dirname(os.path.abspath(ta.__file__)), "compile_check.py")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no AOT compile API")
-    res = subprocess.run([sys.executable, script, "--quick"], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "ddtree.kernels.compile_check", "--quick"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -8,8 +8,8 @@ p=0.8 (else 2nd or 3rd): random weights alone would accept nothing, and the poin
 verify passes that accept realistic paths. Speedups are therefore upper-bound-ish; per-stage ms/step are
 the figures to read.
 
-    python kernels/bench_verify.py 1024 4096          # context lengths; JSON to $OUT (default .)
-    SMOKE=1 python kernels/bench_verify.py 64         # tiny CPU model, SDPA only: checks the script runs
+    python -m ddtree.kernels.bench_verify 1024 4096          # context lengths; JSON to $OUT (default .)
+    SMOKE=1 python -m ddtree.kernels.bench_verify 64         # tiny CPU model, SDPA only: checks the script runs
 """
 import json
 import os
@@ -19,7 +19,6 @@ import types
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # a source checkout
 from ddtree.api import Pair
 from ddtree.config import ModelConfig
 from ddtree.drafter import untrained_drafter
@@ -77,8 +76,8 @@ for ctx in (int(a) for a in sys.argv[1:] or ["1024", "4096"]):
         REF[:] = prompt + ar.token_ids
         runs = [("ar", 0, ar)]
         for method, budget in [("dflash", 0), ("ddtree", 16), ("ddtree", 64), ("ddtree", 128), ("ddtree", 256)]:
-            pair.generate(prompt, method=method, budget=budget or 64, max_new_tokens=16)  # warm-up (compiles)
-            runs.append((method, budget, pair.generate(prompt, method=method, budget=budget or 64, max_new_tokens=96)))
+            pair.generate(prompt, method=method, budget=budget or None, max_new_tokens=16)  # warm-up (compiles)
+            runs.append((method, budget, pair.generate(prompt, method=method, budget=budget or None, max_new_tokens=96)))
         for method, budget, res in runs:
             s = res.stats
             verdict = pair.check(prompt, ar.token_ids, res.token_ids) if method != "ar" else None

@@ -16,7 +16,7 @@ Contenders, all producing out [Hq, N, D]:
 Each contender is checked against tree_attention_reference (fp32) first. Times: triton.testing.do_bench
 median. Bandwidth = bytes that must move (K/V rows [0, past+N) once + Q + out) / time, compared with a
 measured device-to-device copy (read + write bytes / time).
-Usage: python kernels/bench_tree_attention.py [--past 1024 4096] [--nodes 16 64] [--sweep]; JSON -> $OUT.
+Usage: python -m ddtree.kernels.bench_tree_attention [--past 1024 4096] [--nodes 16 64] [--sweep]; JSON -> $OUT.
 """
 from __future__ import annotations
 
@@ -31,11 +31,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-try:
-    ta = importlib.import_module("ddtree.kernels.tree_attention")
-except ImportError:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ta = importlib.import_module("kernels.tree_attention")
+# import_module, not `from ... import tree_attention`: the package re-exports a function of the same name.
+ta = importlib.import_module("ddtree.kernels.tree_attention")
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 GROUP = HQ // HKV

@@ -1,0 +1,108 @@
+"""The adaptive budget's verify-cost curve, measured once per machine and kept on disk.
+
+Measuring it (`budget.calibrate`) costs a few seconds on a GPU and up to tens of seconds on a 2-core CPU, so
+it is done once per (machine, target shape, drafter shape and block, dtype, device, threads, attention
+backend, torch version): everything the timings depend on, and nothing they do not (the weights' values).
+That key is stored in the file beside the curve:
+
+    $DDTREE_CACHE/verify-costs/<sha1 of the key>.json
+        {"key": {...}, "sizes": [1, 2, ...], "verify_seconds": [...], "fixed_seconds": 0.0083}
+
+A file that does not parse or whose key differs is measured again and replaced. Delete the folder to force a
+new measurement (after a BIOS or power-setting change, say).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+
+from .budget import CALIBRATION_SIZES, CostModel, calibrate
+from .loading import cache_root
+
+FORMAT = 1  # bump when calibrate() measures differently: older files then miss
+_measured: dict[str, CostModel] = {}  # this process's curves, by digest
+
+
+def machine_name(device) -> str:
+    """The GPU's name on CUDA, else the CPU model and core count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
+    t, d = target.cfg, drafter.cfg.model
+    return dict(format=FORMAT, machine=machine_name(target.device), device=target.device.type,
+                dtype=str(target.dtype).removeprefix("torch."), threads=torch.get_num_threads(),
+                attention=target.attention_backend, torch=torch.__version__,
+                target=[t.arch, t.vocab_size, t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads,
+                        t.num_kv_heads, t.head_dim],
+                drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
+                         len(drafter.cfg.target_layer_ids)],
+                block_size=block_size, max_nodes=max_nodes)
+
+
+def costs_dir() -> Path:
+    return cache_root() / "verify-costs"
+
+
+def cost_path(key: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return costs_dir() / f"{digest}.json"
+
+
+def verify_costs(target, drafter, block_size: int, max_nodes: int) -> CostModel:
+    """The cost curve for trees of up to `max_nodes` nodes: from this process, from disk, or measured now."""
+    key = cost_key(target, drafter, block_size, max_nodes)
+    path = cost_path(key)
+    if path.name in _measured:
+        return _measured[path.name]
+    cost = read_costs(path, key)
+    if cost is None:
+        sizes = tuple(n for n in CALIBRATION_SIZES if n < max_nodes) + (max_nodes,)
+        cost = calibrate(target, drafter, sizes=sizes, block_size=block_size)
+        write_costs(path, key, cost)
+    _measured[path.name] = cost
+    return cost
+
+
+def read_costs(path: Path, key: dict) -> CostModel | None:
+    """The stored curve, or None when the file is missing, unreadable or for another key."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        return CostModel(tuple(data["sizes"]), tuple(data["verify_seconds"]), float(data["fixed_seconds"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        warnings.warn(f"ddtree: ignoring the unreadable verify-cost file {path}; measuring again", stacklevel=3)
+        return None
+
+
+def write_costs(path: Path, key: dict, cost: CostModel) -> None:
+    data = dict(key=key, sizes=list(cost.sizes), verify_seconds=list(cost.verify_seconds),
+                fixed_seconds=cost.fixed_seconds)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        os.replace(tmp, path)  # atomic: concurrent processes (torchrun ranks) never read half a file
+    except OSError as e:
+        warnings.warn(f"ddtree: cannot cache the verify-cost curve in {path} ({e}); it will be measured again "
+                      "next time (set DDTREE_CACHE to a writable folder)", stacklevel=3)

@@ -1,0 +1,104 @@
+"""The method vocabulary, parsed in one place: `ar`, `hf`, `dflash`, `ddtree`, `ddtree:N`, `ddtree:auto`.
+
+`pair.generate`, `compare`, the command line, the benchmark and the plots all turn the user's words into a
+`MethodSpec` here, so a bad budget gets the same clear error everywhere (`ddtree:0`, `--budgets 0`,
+`budget=False` are refused, never replaced by a default) and the default budget is defined once.
+
+    ar           plain autoregressive decoding with a KV cache: the baseline every speedup is measured against
+    hf           Hugging Face generate() on the same weights (compare and the benchmark; greedy only)
+    dflash       linear DFlash: one drafted block verified as a chain
+    ddtree:N     DDTree: a best-first tree of N draft nodes per step (bare `ddtree`: DEFAULT_BUDGET)
+    ddtree:auto  DDTree with the adaptive per-step budget (ddtree/budget.py)
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+NAMES = ("ar", "hf", "dflash", "ddtree")
+DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree`
+AUTO = "auto"  # the adaptive budget
+SYNTAX = "ar, hf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
+
+
+def parse_budget(value) -> int | str:
+    """A DDTree budget: an integer >= 1 (draft nodes per step; int or its decimal string) or 'auto'."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text == AUTO:
+            return AUTO
+        if text.isascii() and text.isdigit() and int(text) >= 1:
+            return int(text)
+    elif not isinstance(value, bool):  # True is an int to Python, not a budget
+        try:
+            number = operator.index(value)  # int and numpy integers; never floats
+        except TypeError:
+            number = 0
+        if number >= 1:
+            return number
+    raise ConfigError(f"budget must be an integer >= 1 (draft nodes per step) or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method, validated: `name` in NAMES; `budget` set for ddtree only (an int >= 1 or 'auto')."""
+    name: str
+    budget: int | str | None = None
+
+    def __post_init__(self):
+        if self.name not in NAMES:
+            raise ConfigError(f"unknown method {self.name!r}; use {SYNTAX}")
+        if self.name == "ddtree":
+            object.__setattr__(self, "budget", parse_budget(self.budget))
+        elif self.budget is not None:
+            raise ConfigError(f"only ddtree takes a budget, got {self.name}:{self.budget}; use {SYNTAX}")
+
+    @property
+    def label(self) -> str:
+        """The name a record, a table row and a plot use: 'ar', 'dflash', 'ddtree:16', 'ddtree:auto'."""
+        return f"{self.name}:{self.budget}" if self.name == "ddtree" else self.name
+
+    @property
+    def adaptive(self) -> bool:
+        return self.budget == AUTO
+
+    @classmethod
+    def parse(cls, method: "str | MethodSpec", budget=None) -> "MethodSpec":
+        """'ddtree:32' -> ddtree at 32 nodes. A bare 'ddtree' takes `budget` (None: DEFAULT_BUDGET); other methods
+        ignore it, but a bad `budget` is refused whatever the method."""
+        default = DEFAULT_BUDGET if budget is None else parse_budget(budget)
+        if isinstance(method, MethodSpec):
+            return method
+        if not isinstance(method, str):
+            raise ConfigError(f"a method is a string ({SYNTAX}), got {method!r}")
+        name, colon, explicit = method.strip().partition(":")
+        if colon:
+            if name != "ddtree":
+                raise ConfigError(f"only ddtree takes a budget, got {method!r}; use {SYNTAX}")
+            try:
+                return cls(name, parse_budget(explicit))
+            except ConfigError as e:
+                raise ConfigError(f"bad budget in {method!r}: {e}; write e.g. ddtree:64 or ddtree:auto") from None
+        return cls(name, default if name == "ddtree" else None)
+
+
+def parse_methods(methods, budgets=None) -> list[MethodSpec]:
+    """Methods as a comma-separated string or a list, `ar` first (it is the reference), duplicates dropped.
+    A bare `ddtree` expands to one spec per budget in `budgets` (comma-separated or a list; None: the default)."""
+    names = methods.split(",") if isinstance(methods, str) else list(methods)
+    if isinstance(budgets, str):
+        budgets = [b for b in budgets.split(",") if b.strip()]
+        if not budgets:
+            raise ConfigError("no budgets given: write e.g. 16,64,auto")
+    budget_list = [DEFAULT_BUDGET] if budgets is None else [parse_budget(b) for b in budgets]
+    specs = [MethodSpec("ar")]
+    for method in names:
+        if isinstance(method, str) and not method.strip():
+            continue
+        if isinstance(method, str) and method.strip() == "ddtree":
+            specs += [MethodSpec("ddtree", b) for b in budget_list]
+        else:
+            specs.append(MethodSpec.parse(method))
+    return list(dict.fromkeys(specs))

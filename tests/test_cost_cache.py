@@ -1,0 +1,86 @@
+"""The adaptive budget's verify-cost curve: measured once per machine/target/dtype/threads, kept on disk."""
+import json
+
+import pytest
+import torch
+
+from ddtree import cost_cache
+from ddtree.budget import CostModel
+from ddtree.testing import random_pair
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(cost_cache, "costs_dir", lambda: tmp_path)
+    monkeypatch.setattr(cost_cache, "_measured", {})
+    return tmp_path
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count calibrate() calls (returning a fixed curve: the timings themselves are not the point here)."""
+    calls = []
+
+    def fake(target, drafter, sizes, block_size):
+        calls.append(sizes)
+        return CostModel(sizes[:3], (0.01, 0.011, 0.012), 0.002)
+
+    monkeypatch.setattr(cost_cache, "calibrate", fake)
+    return calls
+
+
+def test_measured_once_then_read_from_disk(folder, counted, monkeypatch):
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    cost = cost_cache.verify_costs(target, drafter, 8, 257)
+    assert len(counted) == 1 and counted[0][-1] == 257
+    files = list(folder.glob("*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert stored["key"] == cost_cache.cost_key(target, drafter, 8, 257)  # the key travels with the curve
+    assert stored["key"]["threads"] == torch.get_num_threads() and stored["key"]["dtype"] == "float32"
+    assert stored["key"]["machine"] == cost_cache.machine_name("cpu")
+    assert cost_cache.verify_costs(target, drafter, 8, 257) is cost  # this process: no file read
+    monkeypatch.setattr(cost_cache, "_measured", {})  # a new process
+    assert cost_cache.verify_costs(target, drafter, 8, 257) == cost and len(counted) == 1
+
+
+def test_another_configuration_measures_again(folder, counted, monkeypatch):
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    cost_cache.verify_costs(target, drafter, 4, 257)  # another block size
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # other threads
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    bf16_target, bf16_drafter = random_pair("llama", seed=5, block_size=8, dtype=torch.bfloat16)
+    cost_cache.verify_costs(bf16_target, bf16_drafter, 8, 257)
+    assert len(counted) == 4 and len(list(folder.glob("*.json"))) == 4
+
+
+def test_weights_do_not_matter(folder, counted):
+    a, da = random_pair("llama", seed=5, block_size=8)
+    b, db = random_pair("llama", seed=6, block_size=8)
+    assert cost_cache.cost_key(a, da, 8, 257) == cost_cache.cost_key(b, db, 8, 257)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": {"other": 1}, "sizes": [1], "verify_seconds": [0.1], '
+                                                  '"fixed_seconds": 0.0}', '{"key": null}'])
+def test_a_bad_or_foreign_file_is_measured_again(folder, counted, content, recwarn):
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    key = cost_cache.cost_key(target, drafter, 8, 257)
+    path = cost_cache.cost_path(key)
+    path.write_text(content)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    assert len(counted) == 1 and json.loads(path.read_text())["key"] == key  # replaced
+
+
+def test_auto_uses_the_cache(folder, counted):
+    """budget='auto' gets its curve in prepare(), before the timed generation, through the cache."""
+    from ddtree.api import Pair
+
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    pair = Pair(target, drafter, None)
+    res = pair.generate([1, 2, 3], method="ddtree:auto", max_new_tokens=6)
+    assert res.stats.budget == "auto" and len(counted) == 1
+    Pair(target, drafter, None).generate([1, 2, 3], method="ddtree:auto", max_new_tokens=6)
+    assert len(counted) == 1
+    auto = pair.method("ddtree:auto")
+    assert auto.budget == auto.cost.sizes[-1] - 1  # trees the calibration stopped short of are never built

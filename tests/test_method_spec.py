@@ -1,0 +1,125 @@
+"""One method vocabulary: the parser, its errors on every entry point, the bounds, the one plain-step rule."""
+import numpy as np
+import pytest
+import torch
+
+from ddtree.api import Pair
+from ddtree.config import ConfigError
+from ddtree.engine import AR, AdaptiveDDTree, DDTree, DFlash, make_method
+from ddtree.method_spec import DEFAULT_BUDGET, MethodSpec, parse_budget, parse_methods
+from ddtree.stats import StageTimer
+from ddtree.testing import random_pair
+
+
+@pytest.mark.parametrize("text,label", [("ar", "ar"), ("hf", "hf"), ("dflash", "dflash"),
+                                        ("ddtree", f"ddtree:{DEFAULT_BUDGET}"), (" ddtree:16 ", "ddtree:16"),
+                                        ("ddtree:auto", "ddtree:auto")])
+def test_parse_and_label(text, label):
+    spec = MethodSpec.parse(text)
+    assert spec.label == label and MethodSpec.parse(spec.label) == spec
+
+
+def test_bare_ddtree_takes_the_budget_argument_and_others_ignore_it():
+    assert MethodSpec.parse("ddtree", 8) == MethodSpec("ddtree", 8)
+    assert MethodSpec.parse("ddtree", "auto").adaptive
+    assert MethodSpec.parse("ddtree:32", 8).budget == 32  # an explicit ddtree:N wins
+    assert MethodSpec.parse("ar", 8) == MethodSpec("ar")
+
+
+@pytest.mark.parametrize("value", [0, -3, False, True, 2.0, 1.5, "", " ", "0", "-1", "x", "1e3", None, [4]])
+def test_bad_budgets_are_refused(value):
+    with pytest.raises(ConfigError, match="budget must be an integer >= 1"):
+        parse_budget(value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("ddtree:0", "bad budget in 'ddtree:0'"), ("ddtree:", "bad budget"), ("ddtree:-2", "bad budget"),
+    ("dflash:8", "only ddtree takes a budget"), ("medusa", "unknown method 'medusa'"), ("", "unknown method ''"),
+])
+def test_bad_specs_are_refused(text, message):
+    with pytest.raises(ConfigError, match=message):
+        MethodSpec.parse(text)
+    with pytest.raises(ConfigError, match="budget must be an integer >= 1"):
+        MethodSpec.parse("ar", 0)  # a bad budget is refused whatever the method
+
+
+def test_parse_methods_expands_bare_ddtree_and_puts_ar_first():
+    specs = parse_methods("dflash,ddtree,hf,ddtree:16", "8,16,auto")
+    assert [s.label for s in specs] == ["ar", "dflash", "ddtree:8", "ddtree:16", "ddtree:auto", "hf"]
+    assert [s.label for s in parse_methods(["ddtree"])] == ["ar", f"ddtree:{DEFAULT_BUDGET}"]
+    for budgets in ("0", "16,0", ",", "8,x"):
+        with pytest.raises(ConfigError, match="budget"):
+            parse_methods("ddtree", budgets)
+
+
+@pytest.fixture
+def pair():
+    target, drafter = random_pair("llama", seed=3, block_size=8, max_position_embeddings=96)
+    return Pair(target, drafter, None)
+
+
+def test_bounds_refused_with_a_clear_message(pair):
+    with pytest.raises(ConfigError, match="budget 96 cannot help.*context of 96.*at most 95"):
+        pair.generate([1, 2], method="ddtree:96")
+    with pytest.raises(ConfigError, match="at most the drafter's block \\(8\\).*got 9"):
+        pair.generate([1, 2], method="dflash", block_size=9)
+    with pytest.raises(ConfigError, match="block_size must be >= 2.*got 4.0"):
+        pair.generate([1, 2], method="ddtree", block_size=4.0)
+    with pytest.raises(ConfigError, match="'hf' is Hugging Face generate"):
+        pair.generate([1, 2], method="hf")
+    assert pair.generate([1, 2], method="ddtree:95", max_new_tokens=3).stats.budget == 95
+    auto = pair.method("ddtree:auto")
+    assert isinstance(auto, AdaptiveDDTree) and auto.budget == 95  # auto's cap follows the context too
+
+
+def test_make_method_classes_and_pair_reuses_them(pair):
+    d = pair.drafter
+    assert isinstance(make_method("ar"), AR)
+    assert isinstance(make_method("dflash", None, None, d), DFlash)
+    assert isinstance(make_method("ddtree:16", None, None, d), DDTree)
+    assert pair.method("ddtree", 16) is pair.method("ddtree:16")  # one object: what auto learns carries over
+    assert pair.method("ddtree:auto") is not pair.method("ddtree:auto", block_size=4)
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree:16", "ddtree:auto"])
+def test_plain_step_decided_in_one_place(pair, method):
+    """Method.propose gives the lone root when no draft of >= 1 token fits the room left; else a real draft."""
+    m = pair.method(method)
+    m.prepare(pair.target, pair.drafter)
+    if m.uses_drafter:  # draft(), never reached for a plain step
+        m.draft = lambda *args: pytest.fail("drafted with no room for a draft")
+    dcache = pair.drafter.new_cache(64)
+    pair.drafter.add_context(dcache, torch.zeros(1, len(pair.drafter.cfg.target_layer_ids) * 64))
+    bonus = torch.tensor([5])
+    tree = m.propose(pair.drafter, dcache, bonus, 1, StageTimer("cpu"))
+    assert tree.size == 1 and tree.tokens.tolist() == [5] and tree.parents.tolist() == [-1]
+    if m.uses_drafter:
+        del m.draft
+        if isinstance(m, AdaptiveDDTree):
+            m.gate.rate = None  # no evidence yet: drafts
+        tree = m.propose(pair.drafter, dcache, bonus, 40, StageTimer("cpu"))
+        assert tree.size > 1 and np.all(tree.parents[1:] < np.arange(1, tree.size))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "hi", "--budget", "0"], "budget must be an integer >= 1"),
+    (["generate", "hi", "--method", "ddtree:0"], "bad budget in 'ddtree:0'"),
+    (["generate", "hi", "--method", "medusa"], "unknown method 'medusa'"),
+    (["compare", "hi", "--methods", "ar,ddtree:0"], "bad budget in 'ddtree:0'"),
+    (["compare", "hi", "--budget", "False"], "budget must be an integer >= 1"),
+])
+def test_cli_refuses_bad_specs_before_loading(argv, message, capsys):
+    from ddtree.cli import main
+
+    assert main(argv + ["--target", "/nonexistent/model"]) == 2  # the spec error comes before the load's
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [(["--budgets", "0"], "got '0'"), (["--methods", "ar,ddtree:0"], "ddtree:0"),
+                                          (["--budgets", "16,-1"], "got '-1'")])
+def test_benchmark_refuses_bad_specs(argv, message, tmp_path, capsys):
+    """`--budgets 0` used to run budget 64 silently."""
+    from ddtree.benchmark import main
+
+    assert main(argv + ["--target", "/nonexistent/model", "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err

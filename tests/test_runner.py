@@ -1,0 +1,83 @@
+"""The runner compare and the benchmark share, the one speedup definition, and the benchmark's presets."""
+from types import SimpleNamespace
+
+import pytest
+
+from ddtree.api import Pair
+from ddtree.benchmark import PRESETS, estimate_seconds, summarize
+from ddtree.compare import compare
+from ddtree.method_spec import MethodSpec, parse_methods
+from ddtree.runner import RunSettings, run_prompt, summarize_methods
+from ddtree.testing import random_pair
+
+
+def rec(method, prompt_index, seconds, new_tokens, steps=None, dataset="d", temperature=0.0):
+    steps = steps or new_tokens
+    return dict(method=method, prompt_index=prompt_index, seconds=seconds, new_tokens=new_tokens, steps=steps,
+                acceptance_lengths=[new_tokens // steps] * steps, tree_sizes=[1] * steps, stage_seconds={},
+                check="identical", dataset=dataset, temperature=temperature, time_to_first_token=0.0)
+
+
+def test_speedup_is_tokens_per_second_over_ar_on_the_same_prompts():
+    specs = parse_methods("ddtree:8")
+    records = [rec("ar", 0, 10.0, 100), rec("ar", 1, 1.0, 10), rec("ar", 2, 50.0, 10),
+               rec("ddtree:8", 0, 5.0, 100, steps=50), rec("ddtree:8", 1, 2.0, 40, steps=20)]  # no prompt 2
+    rows = {r["method"]: r for r in summarize_methods(records, specs)}
+    # ar over prompts 0 and 1 only: 110 tokens / 11 s = 10 tok/s; ddtree: 140 / 7 = 20 tok/s -> 2x
+    assert rows["ddtree:8"]["speedup"] == pytest.approx(2.0)
+    assert rows["ddtree:8"]["tokens_per_second"] == pytest.approx(20.0) and rows["ddtree:8"]["tau"] == 2.0
+    assert rows["ar"]["speedup"] == pytest.approx(1.0)
+    # the benchmark's summary is the same rows, per dataset and temperature
+    bench = summarize(records + [rec("ar", 0, 1.0, 10, dataset="e")], specs)
+    assert [(r["dataset"], r["method"]) for r in bench] == [("d", "ar"), ("d", "ddtree:8"), ("e", "ar")]
+    assert bench[1]["speedup"] == rows["ddtree:8"]["speedup"]
+
+
+def test_compare_runs_the_shared_runner_and_checks_against_ar():
+    target, drafter = random_pair("llama", seed=9, block_size=4)
+    pair = Pair(target, drafter, None)
+    result = compare(pair, [[1, 2, 3], [4, 5]], methods=["dflash", "ddtree:4"], max_new_tokens=6, show=False)
+    assert [r["method"] for r in result.rows] == ["ar", "dflash", "ddtree:4"]
+    assert [(r["prompt_index"], r["method"]) for r in result.records] == [
+        (i, m) for i in (0, 1) for m in ("ar", "dflash", "ddtree:4")]
+    assert all(r["check"] == "identical" for r in result.records if r["method"] != "ar") and result.ok
+    assert result.rows == summarize_methods(result.records, parse_methods(["dflash", "ddtree:4"]))
+
+
+def test_run_prompt_skips_hf_when_sampling_and_lets_a_tamper_fail_the_check():
+    target, drafter = random_pair("llama", seed=9, block_size=4)
+    pair = Pair(target, drafter, None)
+    specs = parse_methods("hf,ddtree:4")
+    sampled = run_prompt(pair, [1, 2, 3], specs, RunSettings(5, temperature=1.0), seed=1, hf=None)
+    assert [r["method"] for r in sampled] == ["ar", "ddtree:4"] and sampled[1]["check"] == "skipped (T > 0)"
+
+    def corrupt(spec, tokens, record):
+        return tokens[:-1] + [(tokens[-1] + 1) % 96] if spec.name == "ddtree" else tokens
+
+    seen = []
+    greedy = run_prompt(pair, [1, 2, 3], specs[:1] + specs[2:], RunSettings(5), tamper=corrupt,
+                        on_record=seen.append)
+    assert [r["check"] for r in greedy] == ["reference", "error"] and seen == greedy
+    with pytest.raises(ValueError, match="first method must be ar"):
+        run_prompt(pair, [1], specs[2:], RunSettings(5))
+
+
+def test_estimate_from_measured_runs():
+    measured = [dict(rec("ar", 0, 1.1, 11), time_to_first_token=0.1),  # 0.1 s per token after the first
+                dict(rec("ddtree:8", 0, 0.7, 7), time_to_first_token=0.1)]
+    groups = [dict(slots=[dict(method="ar"), dict(method="ddtree:8"), dict(method="hf")])] * 2
+    # per group: ar 0.1 + 0.1 x 20, ddtree 0.1 + 0.1 x 20, hf (unmeasured) as the slowest: 2.1 -> 6.3 s x 2
+    assert estimate_seconds(measured, groups, SimpleNamespace(max_new_tokens=20)) == pytest.approx(12.6)
+
+
+def test_presets_show_the_project_quickly_and_sweep_in_full():
+    quick, full = PRESETS["quick"], PRESETS["full"]
+    for preset in (quick, full):
+        specs = parse_methods(preset["methods"], preset["budgets"])
+        assert {"ar", "hf", "dflash"} <= {s.name for s in specs} and MethodSpec("ddtree", "auto") in specs
+        assert set(preset["datasets"].split(",")) == {"humaneval", "mt-bench", "gsm"}
+        temps = [float(t) for t in preset["temperatures"].split(",")]
+        assert 0.0 in temps and any(t > 0 for t in temps)
+    fixed = lambda p: [s.budget for s in parse_methods("ddtree", p["budgets"]) if isinstance(s.budget, int)]  # noqa: E731
+    assert len(fixed(quick)) >= 2 and max(fixed(quick)) < 64 <= 256 <= max(fixed(full))  # the sweep: --full
+    assert quick["num_prompts"] * quick["max_new_tokens"] < full["num_prompts"] * full["max_new_tokens"]
