@@ -118,7 +118,8 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 
 # 2: a conversion records checksums of its files (CACHE_MANIFEST). Conversions made before carry none: the
 # format is part of the cache key, so they are not reused (and can be deleted; see the README's "Caches").
-CACHE_FORMAT = 2
+# 3: the config.json is portable (portable_config: architectures, model_type, top-level rope_theta).
+CACHE_FORMAT = 3
 CACHE_MANIFEST = "ddtree-cache.json"
 STAMP_SETTLE_NS = 2_000_000_000
 

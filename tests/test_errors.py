@@ -38,7 +38,7 @@ def pair():
     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
     # numbers of the wrong type are refused, never coerced (True would run budget 1, "0.9" would crash)
     ({"method": "ddtree", "budget": True}, "budget must be an integer >= 1"),
-    ({"method": "dflash", "block_size": 2.5}, "block_size must be an integer, got 2.5"),
+    ({"method": "dflash", "block_size": 2.5}, r"block_size must be >= 2 and at most the drafter.s block \(\d+\), an integer; got 2.5"),
     ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
     ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
     ({"top_p": "0.9"}, "top_p must be a finite number, got '0.9'"),
