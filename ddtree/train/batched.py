@@ -22,13 +22,15 @@ which other jobs share the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import Visibility
+from ..config import SamplingParams
 from ..kv_cache import KVCache
+from ..sampling import choose
 
 
 @dataclass
@@ -99,10 +101,8 @@ class BatchedDecoder:
         return out.logits[0]
 
     def _choose(self, logits: torch.Tensor, row: _Row) -> int:
-        if row.generator is None:
-            return int(logits.argmax())
-        probs = (logits.float() / row.job.temperature).softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=row.generator))
+        params = SamplingParams(row.job.temperature if row.generator is not None else 0.0)
+        return int(choose(logits[None], params, row.generator)[0])  # the engine's own token choice
 
     def _start(self, slot: int, job: Job) -> None:
         gen = torch.Generator().manual_seed(job.seed) if job.temperature > 0 else None
@@ -184,7 +184,7 @@ class BatchedDecoder:
         return Answer(row.job, row.turn, row.prompt_ids, row.response, last_turn=not second)
 
     @torch.inference_mode()
-    def run(self, jobs: Iterable[Job], on_answer: Callable[[Answer], None] | None = None) -> Iterator[Answer]:
+    def run(self, jobs: Iterable[Job]) -> Iterator[Answer]:
         """Decode every job; yields each answer (first turns, then second turns) as it completes. Jobs whose
         prompt cannot fit the cache with max_new_tokens (twice with a follow-up) are skipped (yielded as
         answers with an empty response and turn 0)."""
