@@ -61,17 +61,18 @@ def follow_up_ids(prompt: Prompt, tokenizer, prompt_ids: list[int]) -> list[int]
     marker = "\u2063ANSWER\u2063"  # any text: only the template around it matters
     both = prompt.messages + [{"role": "assistant", "content": marker}, {"role": "user", "content": prompt.follow_up}]
     text = tokenizer.apply_chat_template(both, add_generation_prompt=True, tokenize=False)
-    eos = tokenizer.convert_ids_to_tokens(_template_end(tokenizer))
+    eos = _template_end(tokenizer)
     after = text.split(marker, 1)[1]
     if not after.startswith(eos):
         return None  # a template that does not close the answer with the stop token: no second turn
     return [int(t) for t in tokenizer.encode(after[len(eos):], add_special_tokens=False)]
 
 
-def _template_end(tokenizer) -> int:
-    """The token that closes an assistant turn in the chat template (the model's stop token)."""
-    return int(tokenizer.convert_tokens_to_ids("<|im_end|>")) if "<|im_end|>" in tokenizer.get_vocab() else \
-        int(tokenizer.eos_token_id)
+def _template_end(tokenizer) -> str:
+    """The token that closes an assistant turn in the chat template (the model's stop token), as text. A
+    lookup of one token, not of the whole vocabulary (this runs once per prompt)."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return "<|im_end|>" if im_end is not None and im_end != tokenizer.unk_token_id else tokenizer.eos_token
 
 
 @dataclass
