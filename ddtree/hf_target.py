@@ -83,7 +83,10 @@ def attention_layout(config) -> tuple[list[str], list[int | None]]:
     if odd:
         raise ConfigError(f"architecture {arch!r} has layer types {odd} that are not plain full or sliding-window "
                           f"attention; ddtree cannot verify a tree through them. Options: {OPTIONS}.")
-    windows = [kw.get("sliding_window") for kw in kwargs]
+    if isinstance(kwargs, dict):  # some transformers 5.x releases return one kwargs dict for all layers
+        kwargs = [kwargs] * len(types)
+    # a full-attention layer has no window, whatever its kwargs carry
+    windows = [None if t == "full_attention" else kw.get("sliding_window") for t, kw in zip(types, kwargs)]
     if len({(t, w) for t, w in zip(types, windows)}) != len(set(types)):
         raise ConfigError(f"architecture {arch!r} has layers of one type with different windows; not supported")
     return list(types), windows

@@ -178,3 +178,21 @@ def test_tap_features_are_the_decoder_layer_outputs(hf_dirs, arch):
                          tap_layers=(0,))
         torch.testing.assert_close(target(ids, torch.arange(12), target.new_cache(12),
                                           Visibility.causal(0, 12, "cpu"), tap_layers=(0,)).taps, ref.taps)
+
+
+def test_attention_layout_reads_one_kwargs_dict_for_all_layers(monkeypatch):
+    """Some transformers 5.x releases (5.17 on the GPU box) return one kwargs dict instead of one per layer;
+    a full-attention layer has no window whatever the dict carries."""
+    import transformers.cache_utils as cu
+    from transformers import LlamaConfig
+
+    from ddtree.hf_target import attention_layout
+
+    cfg = LlamaConfig(num_hidden_layers=3, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                      vocab_size=64)
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
+                        lambda c: (["full_attention"] * 3, {"sliding_window": None, "chunk": 1}))
+    assert attention_layout(cfg) == (["full_attention"] * 3, [None] * 3)
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
+                        lambda c: (["sliding_attention", "full_attention", "sliding_attention"], {"sliding_window": 5}))
+    assert attention_layout(cfg) == (["sliding_attention", "full_attention", "sliding_attention"], [5, None, 5])

@@ -105,7 +105,7 @@ class BatchedDecoder:
         return int(choose(logits[None], params, row.generator)[0])  # the engine's own token choice
 
     def _start(self, slot: int, job: Job) -> None:
-        gen = torch.Generator().manual_seed(job.seed) if job.temperature > 0 else None
+        gen = torch.Generator(self.target.device).manual_seed(job.seed) if job.temperature > 0 else None
         row = _Row(job, 1, list(job.prompt_ids), generator=gen)
         self.lengths[slot] = 0
         self.rows[slot] = row

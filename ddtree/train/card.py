@@ -18,7 +18,7 @@ SOURCE_NOTES = {
 }
 
 
-def _data_section(data_dir: Path) -> list[str]:
+def _data_section(data_dir: Path, title: str = "## Training data") -> list[str]:
     from .data import read_sequences
 
     seqs = read_sequences(data_dir, split=None)
@@ -36,7 +36,7 @@ def _data_section(data_dir: Path) -> list[str]:
                     f"target dtype {meta.get('dtype', '?')}")
     else:
         decoding = f"temperature {meta.get('temperature', '?')}"
-    lines = ["## Training data", "",
+    lines = [title, "",
              f"{len(seqs)} answers by the target itself ({sum(tokens.values())} response tokens; decoding: "
              f"{decoding}; at most {meta.get('max_new_tokens', '?')} new tokens per answer). The drafter learns the "
              "target's own answers, never reference answers. Prompts are disjoint from the evaluation sets "
@@ -48,8 +48,9 @@ def _data_section(data_dir: Path) -> list[str]:
     return lines + [""]
 
 
-def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: str, name: str) -> str:
-    """Markdown text of the card. state: a training checkpoint (trainer.Trainer.state())."""
+def model_card(state: dict, run_dir: Path | None, data_dirs, dtype: str, name: str) -> str:
+    """Markdown text of the card. state: a training checkpoint (trainer.Trainer.state()); data_dirs: None, a
+    generate-data directory or a list of them."""
     hf, cfg = state["drafter_config"], state["config"]
     layers, block = hf["num_hidden_layers"], hf["block_size"]
     dflash = hf["dflash_config"]
@@ -74,8 +75,9 @@ def model_card(state: dict, run_dir: Path | None, data_dir: Path | None, dtype: 
              + (f"{1 - cfg['distill']:g} x cross-entropy with the target's token + {cfg['distill']:g} x cross-entropy "
                 f"with the target's own top-{cfg['distill_topk']} distribution (distillation)."
                 if cfg.get("distill") else "cross-entropy with the target's token."), ""]
-    if data_dir is not None:
-        lines += _data_section(Path(data_dir))
+    dirs = [] if data_dirs is None else [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
+    for d in dirs:
+        lines += _data_section(Path(d), "## Training data" + (f": `{Path(d).name}`" if len(dirs) > 1 else ""))
     evals = []
     log = Path(run_dir) / "log.jsonl" if run_dir is not None else None
     if log is not None and log.is_file():

@@ -9,6 +9,8 @@ Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -68,7 +70,14 @@ def _parse_mix(text: str | None):
         raise ConfigError(f"--mix must look like codeio=0.35,math=0.2,chat=0.2,stdlib=0.25, got {text!r}") from None
 
 
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
 def _read_prompts_file(path: str):
+    """Prompts from JSONL: {"text"}, {"messages"} or {"ids"} per line, with optional "key", "source" and a
+    second user turn ("follow_up" text with text/messages, "follow_up_ids" tokens with ids: the template's
+    tokens after the first answer's stop token, as `train export-prompts` writes them)."""
     from .prompts import Prompt
 
     if not Path(path).is_file():
@@ -77,18 +86,22 @@ def _read_prompts_file(path: str):
     for number, r in read_jsonl(path):
         i = number - 1  # keys stay what they were when lines were counted from 0
         key, source = (r.get("key", f"file/{i}"), r.get("source", "file")) if isinstance(r, dict) else (None, None)
-        if isinstance(r, dict) and isinstance(r.get("ids"), list) and r["ids"] and \
-                all(isinstance(t, int) and not isinstance(t, bool) for t in r["ids"]):
-            out.append(Prompt(key, source, ids=r["ids"]))
-        elif isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip():
-            out.append(Prompt(key, source, [{"role": "user", "content": r["text"]}]))
+        follow, follow_ids = (r.get("follow_up"), r.get("follow_up_ids")) if isinstance(r, dict) else (None, None)
+        if isinstance(r, dict) and _is_ids(r.get("ids")) and follow is None and \
+                (follow_ids is None or _is_ids(follow_ids)):
+            out.append(Prompt(key, source, ids=r["ids"], follow_up_ids=follow_ids))
+        elif isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip() and follow_ids is None \
+                and (follow is None or isinstance(follow, str) and follow.strip()):
+            out.append(Prompt(key, source, [{"role": "user", "content": r["text"]}], follow_up=follow))
         elif isinstance(r, dict) and isinstance(r.get("messages"), list) and r["messages"] and \
-                all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in r["messages"]):
-            out.append(Prompt(key, source, r["messages"]))
+                all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in r["messages"]) and \
+                follow_ids is None and (follow is None or isinstance(follow, str) and follow.strip()):
+            out.append(Prompt(key, source, r["messages"], follow_up=follow))
         else:
             hint = " (that is the benchmark's format)" if isinstance(r, dict) and {"prompt", "turns"} & set(r) else ""
             raise ConfigError(f"{path}:{number}: expected a non-empty {{\"text\": \"...\"}}, {{\"messages\": "
-                              f"[{{\"role\", \"content\"}}, ...]}} or {{\"ids\": [token ids]}}, got {_keys(r)}{hint}")
+                              f"[{{\"role\", \"content\"}}, ...]}} or {{\"ids\": [token ids]}} (a follow-up as "
+                              f"\"follow_up\" text, or \"follow_up_ids\" with ids), got {_keys(r)}{hint}")
     if not out:
         raise ConfigError(f"--prompts-file {path} holds no prompts")
     return out
@@ -107,20 +120,57 @@ def cmd_generate_data(args) -> int:
     settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
                                   args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
     output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
-    prompts = _read_prompts_file(args.prompts_file) if args.prompts_file else \
-        build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
-    prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
+    if args.prompts_file:  # a file's follow-up turns are its own
+        prompts = _read_prompts_file(args.prompts_file)
+    else:
+        prompts = build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
+        prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
     target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 where the CPU has AMX
     # the target as the user named it (the cache directory's name changes with the install)
-    meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct", "mix": args.mix or "scale",
-            "prompts_file": args.prompts_file}
+    meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct",
+            "mix": None if args.prompts_file else args.mix or "scale", "prompts_file": args.prompts_file}
     stats = generate_data(target, tokenizer, prompts, args.out, settings, stops, args.heldout, meta,
-                          progress=not args.no_progress, max_minutes=args.max_minutes)
+                          progress=not args.no_progress, max_minutes=args.max_minutes, group_size=args.group_size)
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
     left = f"; {stats['remaining']} chunks left: run the same command again" if stats["remaining"] else ""
     print(f"generate-data: {stats['chunks']} chunks in {args.out} ({stats['written']} written now, "
           f"{stats['skipped']} already there){left}; {stats['answers']} answers, {stats['tokens']} response tokens "
           f"at {rate:.1f} tok/s ({stats['decode_steps']} batched steps, {stats['prefill_tokens']} prefill tokens)")
+    return 0
+
+
+def cmd_export_prompts(args) -> int:
+    """The training prompts as token ids (prompt and follow-up turn, in the target's chat template), for a
+    generate-data run on a machine without the prompt packages or the tokenizer (e.g. a GPU box)."""
+    from .data import encode_prompt, follow_up_ids, read_records
+    from .prompts import SCALE_MIX, build_prompts, with_follow_ups
+
+    from ..loading import load_tokenizer, resolve_target_dir
+
+    out = Path(args.out)
+    output_dir(out.parent, "the parent of --out")
+    tokenizer = load_tokenizer(resolve_target_dir(args.target))
+    if tokenizer is None:
+        raise ConfigError("export-prompts needs the target's tokenizer; this target has none")
+    prompts = with_follow_ups(build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed),
+                              args.follow_ups, args.seed)
+    done = {r["key"] for d in args.exclude for r in read_records(d)}
+    lines, skipped = [], 0
+    for p in prompts:
+        if p.key in done:
+            skipped += 1
+            continue
+        ids = encode_prompt(p, tokenizer)
+        rec = {"key": p.key, "source": p.source, "ids": ids}
+        follow = follow_up_ids(p, tokenizer, ids)
+        if follow is not None:
+            rec["follow_up_ids"] = follow
+        lines.append(json.dumps(rec, separators=(",", ":")) + "\n")
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text("".join(lines))
+    os.replace(tmp, out)
+    print(f"export-prompts: {len(lines)} prompts written to {out} ({skipped} already answered in "
+          f"{', '.join(args.exclude) or '-'} left out)")
     return 0
 
 
@@ -223,8 +273,9 @@ def cmd_export(args) -> int:
     path = path / CHECKPOINT if path.is_dir() else path
     if not path.is_file():
         raise ConfigError(f"no checkpoint at {path}")
-    if args.data is not None and not Path(args.data).is_dir():
-        raise ConfigError(f"--data {args.data} is not a directory")
+    for d in args.data or []:
+        if not Path(d).is_dir():
+            raise ConfigError(f"--data {d} is not a directory")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a directory: choose a directory path")
@@ -236,7 +287,7 @@ def cmd_export(args) -> int:
     output_dir(out.parent, "the parent of --out")
     with replacing_dir(out) as tmp:  # a failed export leaves what --out held untouched
         drafter.save(tmp, dtype)
-        card = model_card(state, path.parent, args.data and Path(args.data), args.dtype, args.name or out.name)
+        card = model_card(state, path.parent, args.data, args.dtype, args.name or out.name)
         (tmp / "README.md").write_text(card)
     print(f"export: step {state['step']} drafter ({drafter.cfg.model.num_layers} layers, block "
           f"{drafter.cfg.block_size}, {args.dtype}) written to {args.out}")
@@ -257,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompts-file", help="JSONL prompts instead: {\"text\"}, {\"messages\"} or {\"ids\"} per line")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
     g.add_argument("--slots", type=cli_int(1), default=64, help="sequences decoded together (default: %(default)s)")
+    g.add_argument("--group-size", type=cli_int(1), default=8,
+                   help="rows per attention group: 8 on a CPU, 64+ on a GPU (default: %(default)s; not a data setting)")
     g.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="prompts answered by sampling at T in [--t-min, --t-max]; the rest greedy (default %(default)s)")
     g.add_argument("--t-min", type=float, default=0.7)
@@ -272,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fit", help="train a DFlash drafter on generated data")
     _target_args(f)
-    f.add_argument("--data", required=True, help="a generate-data directory")
+    f.add_argument("--data", required=True, nargs="+", metavar="DIR", help="generate-data directories (one or more)")
     f.add_argument("--out", required=True, help="run directory: checkpoint.pt, log.jsonl, drafter/")
     f.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     f.add_argument("--layers", type=int, choices=range(1, 6), metavar="{1..5}", help="draft layers (default 1)")
@@ -311,12 +364,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--feature-cache", help="directory caching the target's tap features across epochs")
     f.add_argument("--no-progress", action="store_true")
 
+    x = sub.add_parser("export-prompts", help="the training prompts as token ids (JSONL for --prompts-file)")
+    x.add_argument("--target", help="HF model directory or .gguf whose tokenizer and chat template apply "
+                   "(default: embedded SmolLM2-135M-Instruct)")
+    x.add_argument("--out", required=True, help="JSONL file to write")
+    x.add_argument("--num-prompts", type=cli_int(1), default=10000)
+    x.add_argument("--mix", help="source weights as for generate-data (default: the scale mix)")
+    x.add_argument("--follow-ups", type=float, default=0.35, help="fraction of prompts with a second user turn")
+    x.add_argument("--seed", type=int, default=0)
+    x.add_argument("--exclude", action="append", default=[], metavar="DATA_DIR",
+                   help="leave out prompts already answered in this generate-data directory (repeatable)")
+
     e = sub.add_parser("export", help="write a run's drafter in the published format")
     e.add_argument("--run", required=True, help="run directory or checkpoint.pt")
     e.add_argument("--out", required=True, help="drafter directory (config.json + model.safetensors)")
     e.add_argument("--dtype", default="bfloat16", help="weights' dtype on disk (default: %(default)s, as published "
                    "drafters ship; loading casts to the engine's dtype)")
-    e.add_argument("--data", help="the run's generate-data directory: the model card (README.md) then lists it")
+    e.add_argument("--data", nargs="+", metavar="DIR",
+                   help="the run's generate-data directories: the model card (README.md) then lists them")
     e.add_argument("--name", help="title of the model card (default: the --out directory's name)")
     e.add_argument("--force", action="store_true", help="replace what --out holds (e.g. an earlier export)")
     return parser
@@ -327,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
-        return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export}[args.command](args)
+        return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export,
+                "export-prompts": cmd_export_prompts}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,8 @@ def follow_up_ids(prompt: Prompt, tokenizer, prompt_ids: list[int]) -> list[int]
     """The tokens that follow the first answer's stop token for the follow-up turn: the chat template of
     [user, assistant, user] minus its [user, assistant] part, so the second turn's prompt is exactly the
     template's own tokens around the target's answer."""
+    if prompt.follow_up_ids is not None:
+        return list(prompt.follow_up_ids)
     if prompt.follow_up is None or tokenizer is None:
         return None
     marker = "\u2063ANSWER\u2063"  # any text: only the template around it matters
@@ -104,6 +106,11 @@ def _job_sampling(key: str, settings: GenerationSettings) -> tuple[float, int]:
     return temperature, rng.getrandbits(62)
 
 
+# Recorded in meta.json but free to change on resume: how many rows run together is a matter of the machine
+# (512 on a GPU, 64 on a CPU), not of what is generated.
+EXECUTION_KEYS = {"slots"}
+
+
 def _check_meta(out_dir: Path, meta: dict) -> None:
     path = out_dir / "meta.json"
     if path.is_file():
@@ -111,8 +118,8 @@ def _check_meta(out_dir: Path, meta: dict) -> None:
             old = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e}); restore it or use another --out directory") from None
-        if old != meta:
-            diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k))
+        diff = sorted(k for k in set(old) | set(meta) if old.get(k) != meta.get(k) and k not in EXECUTION_KEYS)
+        if diff:
             raise ValueError(f"{out_dir} already holds data generated with different settings ({', '.join(diff)}); "
                              "use another --out directory or the original settings")
     else:
@@ -122,9 +129,10 @@ def _check_meta(out_dir: Path, meta: dict) -> None:
 
 def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: GenerationSettings, stop_ids=(),
                   heldout_fraction: float = 0.02, meta: dict | None = None, progress: bool = True,
-                  max_minutes: float | None = None) -> dict:
+                  max_minutes: float | None = None, group_size: int = 8) -> dict:
     """Write the target's answers to `prompts` as chunks in out_dir; skip chunks already there; stop taking
-    new chunks after max_minutes (the chunks under way are finished; run again to continue). Returns counts:
+    new chunks after max_minutes (the chunks under way are finished; run again to continue). group_size: rows per
+    attention group (an execution detail: larger on a GPU, where each group is a launch). Returns counts:
     {"chunks", "written", "skipped", "remaining", "tokens", "answers", "seconds", "decode_steps",
     "prefill_tokens"}."""
     from tqdm import tqdm
@@ -141,7 +149,7 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
     if not todo:
         return stats
     capacity = settings.max_prompt_tokens + 2 * settings.max_new_tokens + 128  # room for a follow-up turn
-    decoder = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids)
+    decoder = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids, group_size)
     open_jobs: dict[int, int] = {}  # chunk -> jobs not finished yet
     records: dict[int, list] = {i: [] for i in todo}
     t0 = time.perf_counter()
@@ -261,9 +269,11 @@ def read_records(data_dir) -> list[dict]:
     return out
 
 
-def read_sequences(data_dir, split: str | None = "train", min_response: int = 2) -> list[Sequence]:
-    """The records of a data directory as training sequences (one split, or all with split=None)."""
+def read_sequences(data_dirs, split: str | None = "train", min_response: int = 2) -> list[Sequence]:
+    """The records of one data directory, or of several (a list, in order), as training sequences (one split,
+    or all with split=None)."""
+    dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
     return [Sequence(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["key"], r["source"],
                      r.get("turn", 1), r.get("temperature", 0.0))
-            for r in read_records(data_dir)
+            for d in dirs for r in read_records(d)
             if (split is None or r["split"] == split) and len(r["response_ids"]) >= min_response]

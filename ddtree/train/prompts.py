@@ -43,6 +43,7 @@ class Prompt:
     messages: list[dict] = field(default_factory=list)  # chat messages (role/content), the last one the user's
     ids: list[int] | None = None  # or raw token ids (targets without a tokenizer)
     follow_up: str | None = None  # a second user turn, asked after the target's first answer
+    follow_up_ids: list[int] | None = None  # or its tokens, already in the chat template (after the stop token)
 
     def split(self, heldout_fraction: float) -> str:
         h = int(hashlib.sha1(self.key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -255,7 +256,7 @@ def with_follow_ups(prompts: list[Prompt], fraction: float, seed: int = 0) -> li
     for p in prompts:
         rng = random.Random(f"follow:{seed}:{p.key}")
         if p.ids is not None or rng.random() >= fraction:
-            p = Prompt(p.key, p.source, p.messages, p.ids, None)
+            p = Prompt(p.key, p.source, p.messages, p.ids, None, None)
         elif p.follow_up is None:
             p = Prompt(p.key, p.source, p.messages, p.ids, rng.choice(_FOLLOW_UPS.get(p.source, _FOLLOW_UPS["chat"])))
         out.append(p)
