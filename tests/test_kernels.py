@@ -242,6 +242,22 @@ def test_cuda_auto_config_bf16(past, n):
     check(F16, 16, 8, 64, past, n, "chain", seed=past + n + 1)
 
 
+def test_select_config_fp32_tiles_are_the_compile_checked_ones(monkeypatch):
+    """fp32 K/V tiles are twice as large: a 128-key block with 3 stages needed ~400 KB of shared memory and
+    failed on an H100 (OutOfResources). The fp32 choices must be configs that compile_check.py compiles."""
+    from types import SimpleNamespace
+
+    from ddtree.kernels.compile_check import CONFIGS
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    checked = {(c[0], c[2], c[3], c[4], c[5], c[6]) for c in CONFIGS}
+    for group, d, n in ((2, 128, 2), (4, 128, 16), (8, 64, 16), (1, 256, 64)):
+        cfg = ta.select_config(group * n, 0, d, 8, "cuda", elem_bytes=4)
+        assert ("fp32", d, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) in checked, (group, d, n, cfg)
+        bf16 = ta.select_config(group * n, 0, d, 8, "cuda")
+        assert cfg.block_n <= bf16.block_n and cfg.num_stages <= bf16.num_stages
+
+
 @needs_cuda
 def test_cuda_select_config_splits_long_past():
     cfg = ta.select_config(4 * 16, 32768, 128, 8, "cuda")

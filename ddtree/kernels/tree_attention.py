@@ -166,8 +166,9 @@ def _interpreting() -> bool:
 
 
 def select_config(n_rows: int, past_len: int, head_dim: int, n_kv_heads: int,
-                  device: torch.device | str = "cuda") -> TreeAttentionConfig:
-    """Heuristic tile sizes. n_rows = G * N folded query rows per KV head."""
+                  device: torch.device | str = "cuda", elem_bytes: int = 2) -> TreeAttentionConfig:
+    """Heuristic tile sizes. n_rows = G * N folded query rows per KV head; elem_bytes: 2 (bf16/fp16) or 4
+    (fp32, whose K/V tiles take twice the shared memory)."""
     block_m = min(128, max(16, triton.next_power_of_2(n_rows)))
     if torch.device(device).type != "cuda":  # interpreter: few large numpy ops are the fastest
         return TreeAttentionConfig(block_m=block_m, block_n=128, num_warps=4, num_stages=1)
@@ -180,6 +181,11 @@ def select_config(n_rows: int, past_len: int, head_dim: int, n_kv_heads: int,
         block_m, block_n = min(block_m, 64), 32
     num_warps = 8 if block_m >= 128 else 4
     num_stages = 3 if head_dim <= 128 else 2
+    if elem_bytes >= 4:  # fp32 tiles take twice the shared memory and registers (3 stages of 128 x 128 K/V:
+        # ~400 KB, over the H100's 227 KB); checked with ptxas by compile_check.py (small spills remain: untuned)
+        block_m = min(block_m, 64 if head_dim <= 128 else 16)
+        block_n = 64 if head_dim <= 64 or (block_m <= 16 and head_dim <= 128) else 32
+        num_warps, num_stages = (8 if block_m >= 64 else 4), 2
     programs = triton.cdiv(n_rows, block_m) * n_kv_heads
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     past_blocks = past_len // block_n
@@ -256,7 +262,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: 
     elif tuple(out.shape) != (hq, n, d) or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {q.dtype} [{hq}, {n}, {d}] on {q.device}")
     scale = d ** -0.5 if scale is None else float(scale)
-    cfg = config or select_config(group * n, past_len, d, hkv, q.device)
+    cfg = config or select_config(group * n, past_len, d, hkv, q.device, q.element_size())
     if cfg.block_n < 32 or cfg.block_n % 32 or cfg.block_m < 16:
         raise ValueError(f"config needs block_n a multiple of 32 and block_m >= 16, got {cfg}")
     block_d = max(16, triton.next_power_of_2(d))
