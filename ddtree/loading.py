@@ -335,7 +335,7 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg)  # its buffer is derived, not stored
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().fuse()  # fused inference layout (ddtree/fused.py)
 
 
 def load_tokenizer(directory: Path):

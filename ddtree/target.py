@@ -9,7 +9,7 @@ from torch import nn
 from .attention import Visibility, attend
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import DecoderLayer, RMSNorm, Rotary
+from .layers import DecoderLayer, RMSNorm, Rotary, project
 
 
 class _Backbone(nn.Module):
@@ -40,6 +40,33 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg)
         self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
+        self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
+
+    @property
+    def fused(self) -> bool:
+        return self.model.layers[0].self_attn.qkv_weight is not None
+
+    def fuse(self, on: bool = True) -> "TargetModel":
+        """The inference weight layout (ddtree.fused: fused QKV and gate/up, a CPU LM head), or back to the
+        separate-projection reference layout with on=False. Call after the final .to(device, dtype)."""
+        from .fused import fuse_model, unfuse_layer
+
+        if on:
+            self.head_t = fuse_model(self, self.model.layers, self.lm_head)
+        else:
+            for layer in self.model.layers:
+                unfuse_layer(layer)
+            self.head_t = None
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .float() / .cuda() copy parameters, which would cut the q/k/v views off the fused weights:
+        # convert the reference layout and fuse again.
+        if not self.fused:
+            return super()._apply(fn, *args, **kwargs)
+        self.fuse(False)
+        super()._apply(fn, *args, **kwargs)
+        return self.fuse()
 
     @property
     def device(self) -> torch.device:
@@ -53,8 +80,8 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states -> logits; the drafter shares this LM head."""
-        return self.lm_head(hidden)
+        """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        return project(hidden, self.lm_head.weight, self.head_t)  # head_t: a 1-row fast path (ddtree.fused)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
