@@ -166,8 +166,9 @@ def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: in
     spec = MethodSpec.parse(method, budget)
     if spec.name == "ar":
         return AR(spec)
-    if spec.name == "hf":
-        raise ConfigError("method 'hf' is Hugging Face generate() on the same weights: it runs in compare and the "
+    if spec.peer:
+        program = "Hugging Face generate()" if spec.name == "hf" else "llama.cpp's plain decoding"
+        raise ConfigError(f"method {spec.label!r} is {program} on the same weights: it runs in compare and the "
                           "benchmark (greedy only), not in the decoding loop; use ar, dflash or ddtree here")
     if drafter is None:
         raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
