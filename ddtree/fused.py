@@ -23,7 +23,7 @@ from torch import nn
 
 from .layers import DecoderLayer
 
-# The 1-row copies cost memory: qkv, gate/up and the LM head stored twice (+~60% of SmolLM2-135M's 540 MB).
+# The 1-row copies cost memory: qkv, gate/up and the LM head stored twice (+390 MB, ~70% of SmolLM2-135M's 540 MB).
 # Worth it on small CPU targets, where plain decoding is bound by how fast these weights stream.
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 
