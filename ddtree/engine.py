@@ -201,11 +201,12 @@ class Decoder:
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
 
-    def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
-        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, only at the
-        nodes the walk visits (processing a 49K-token distribution costs ~1 ms per node on a CPU). Tests
-        override this to plant a biased rule."""
-        if sampling.greedy:
+    def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
+        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, or with
+        RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (processing a 49K-token
+        distribution costs ~1 ms per node on a CPU, an LM-head row ~6.5 ms). logits: [N, V] or RowLogits.
+        Tests override this to plant a biased rule."""
+        if sampling.greedy and isinstance(logits, torch.Tensor):
             return walk(tree, ancestors, choose(logits, sampling, generator))
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
@@ -270,7 +271,8 @@ class Decoder:
                 vis = Visibility(start, ancestors)
                 positions = torch.from_numpy(tree.depths).to(device) + start
             with timer("verify"):
-                out = target(tree.tokens, positions, tcache, vis, taps)
+                lazy = {"row_logits": True} if tree.size > 1 and getattr(target, "row_logits", False) else {}
+                out = target(tree.tokens, positions, tcache, vis, taps, **lazy)
                 path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
             with timer("commit"):
                 n = len(path)

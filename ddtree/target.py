@@ -22,8 +22,25 @@ class _Backbone(nn.Module):
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [N, V] (or [1, V] when only the last position was asked for)
+    logits: "torch.Tensor | RowLogits"  # [N, V] ([1, V] with last_only; RowLogits with row_logits=True)
     taps: torch.Tensor | None  # [N, len(tap_layers) * hidden]: the drafter's context features
+
+
+class RowLogits:
+    """A verify pass's logits, computed only for the rows asked for: `logits[i:i + 1]` -> [1, V] through the
+    1-row LM head, `logits[:]` -> all [N, V]. Why: a tree walk reads the target's choice only at the nodes on
+    its path (tau of them, ~2 for the shipped drafter), and on a float32 CPU one 1-row LM-head pass streams
+    the [V, H] head in ~6.5 ms (SmolLM2) while all N rows cost compute: 16 rows ~40-60 ms on the AVX2 EPYC."""
+
+    def __init__(self, target: "TargetModel", hidden: torch.Tensor):
+        self.target, self.hidden = target, hidden  # hidden: final-normed [N, H]
+        self.shape = (hidden.shape[0], target.cfg.vocab_size)
+
+    @torch.inference_mode()  # read after the pass, outside its inference mode; hidden is an inference tensor
+    def __getitem__(self, rows) -> torch.Tensor:
+        if not isinstance(rows, slice):
+            raise TypeError("RowLogits are read by row slices, e.g. logits[i:i + 1] or logits[:]")
+        return self.target.logits(self.hidden[rows])
 
 
 class TargetModel(nn.Module):
@@ -69,6 +86,11 @@ class TargetModel(nn.Module):
         return self.fuse()
 
     @property
+    def row_logits(self) -> bool:
+        """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU."""
+        return self.head_t is not None
+
+    @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 
@@ -89,9 +111,10 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
-                tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
+                tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
         """One pass over N new tokens [N] at `positions` [N]; writes their K/V at cache rows
-        [cache.length, cache.length + N) without committing them (the caller commits)."""
+        [cache.length, cache.length + N) without committing them (the caller commits). row_logits: return
+        the logits as RowLogits, computed per row when read (see RowLogits)."""
         backend = self.attention_backend
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
@@ -103,7 +126,8 @@ class TargetModel(nn.Module):
                 taps.append(h)
         if last_only:
             h = h[-1:]
-        logits = self.logits(self.model.norm(h))
+        hidden = self.model.norm(h)
+        logits = RowLogits(self, hidden) if row_logits else self.logits(hidden)
         # Tap order follows tap_layers (the drafter's target_layer_ids order).
         by_layer = dict(zip(sorted(tap_layers), taps))
         features = torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None
