@@ -39,6 +39,8 @@ from ddtree.stats import STAGES  # noqa: E402
 
 STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
                     verify="#dd8452", commit="#c44e52")
+# llama.cpp's plain greedy decoding (the llamacpp peer methods), drawn as reference lines beside ar
+PEER_LINES = {"llamacpp": ("#c44e52", "llama.cpp, same weights"), "llamacpp:gguf": ("#937860", "llama.cpp, GGUF file")}
 
 
 def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
@@ -58,7 +60,7 @@ def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
 
 def method_order(records: list[dict]) -> list[MethodSpec]:
     specs = {MethodSpec.parse(r["method"]) for r in records}
-    return sorted(specs, key=lambda s: ({"ar": 0, "hf": 1, "dflash": 2}.get(s.name, 3),
+    return sorted(specs, key=lambda s: ({"ar": 0, "hf": 1, "llamacpp": 2, "dflash": 3}.get(s.name, 4), s.label,
                                         s.budget if isinstance(s.budget, int) else 1 << 30))
 
 
@@ -98,6 +100,9 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
                 ax.axhline(r[key], color="#4c72b0", ls="--", lw=1.5, label=f"DFlash ({r[key]:.2f})")
             if r["method"] == "hf" and key == "speedup":
                 ax.axhline(r[key], color="#8c8c8c", ls=(0, (1, 1)), lw=1.5, label=f"HF generate() ({r[key]:.2f})")
+            if r["method"] in PEER_LINES and key == "speedup":  # llama.cpp's plain decoding: the CPU user's alternative
+                color, name = PEER_LINES[r["method"]]
+                ax.axhline(r[key], color=color, ls=(0, (5, 2)), lw=1.5, label=f"{name} ({r[key]:.2f})")
             if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
                 chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
                 ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
@@ -116,7 +121,7 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
 def acceptance_hist(records, specs, cells, title: str):
     """Grouped bars (not overlaid histograms): methods with identical distributions stay visible."""
     fig, panels = grid(cells, title)
-    shown = [s for s in specs if s.name not in ("ar", "hf")]
+    shown = [s for s in specs if s.name not in ("ar", "hf", "llamacpp")]
     colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
     width = 0.8 / max(1, len(shown))
     for cell, ax in panels.items():
@@ -144,7 +149,8 @@ def acceptance_hist(records, specs, cells, title: str):
 def stage_bars(rows, cells, title: str):
     fig, panels = grid(cells, title, width=5.2)
     for cell, ax in panels.items():
-        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell and r["method"] != "hf"]
+        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell
+                     and MethodSpec.parse(r["method"]).name not in ("hf", "llamacpp")]  # peers have no stages
         names = [r["method"] for r in cell_rows]
         bottom = [0.0] * len(cell_rows)
         for stage in STAGES:

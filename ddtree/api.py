@@ -14,6 +14,7 @@ from .config import ConfigError, SamplingParams
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
+                      source_gguf,
                       resolve_target_dir, stop_token_ids)
 from .method_spec import MethodSpec
 from .stats import GenerationStats
@@ -31,8 +32,9 @@ class GenerationResult:
 class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
-    def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = ""):
+    def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None):
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)
         self.name = name
         self.decoder = Decoder(target, drafter)
@@ -147,5 +149,5 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
     name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
-    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name)
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source_gguf(target))
 

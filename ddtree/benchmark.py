@@ -38,8 +38,8 @@ from .config import ConfigError, cli_int
 from .cost_cache import machine_name
 from .datasets import dataset_name, load_prompts
 from .files import output_dir
-from .hf_baseline import HFBaseline
 from .method_spec import SYNTAX, MethodSpec, parse_methods
+from .peers import Peers, available
 from .runner import RunSettings, run_prompt, summarize_methods
 from .stats import STAGES
 
@@ -51,11 +51,15 @@ PRESETS = {
     # methods sum to ~0.56 s per token position at T=0 and ~0.54 s at T=1, so 3 sets x 2 prompts x 64 tokens
     # x 2 temperatures ~ 420 s of decoding, plus loading, warm-up and the verify-cost calibration (once per
     # machine); ~0.7x that on the AMX Xeon in bf16 (ar ~36 ms/token).
-    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
+    # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
+    # llama-cpp-python and are skipped with a message without it.
+    "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
+                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
                   budgets="8,16,32,auto", num_prompts=2, max_new_tokens=64),
     # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
     # minutes on one GPU.
-    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1", methods="ar,hf,dflash,ddtree",
+    "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
+                 methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
                  budgets="8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
@@ -73,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", help="comma-separated, e.g. 0,1 (0 = greedy, checked against ar)")
     p.add_argument("--methods",
                    help=f"comma-separated: {SYNTAX}; plain `ddtree` expands to every --budgets value, hf is Hugging "
-                        "Face generate() on the same weights (greedy runs only); ar is always run (it is the "
-                        "reference) (default: ar,hf,dflash,ddtree)")
+                        "Face generate() on the same weights, llamacpp llama.cpp's decoding of the same weights and precision and "
+                        "llamacpp:gguf of the target's own GGUF file (greedy runs only; skipped with a message "
+                        "without llama-cpp-python); ar is always run (it is the reference) (default: the preset's)")
     p.add_argument("--budgets", help="DDTree budgets for plain `ddtree`: integers >= 1 (draft nodes per step) or auto")
     p.add_argument("--num-prompts", type=cli_int(1), help="first N prompts of each dataset")
     p.add_argument("--max-new-tokens", type=cli_int(1))
@@ -146,7 +151,7 @@ def build_plan(args, pair, specs) -> list[dict]:
                 slots = [dict(method=s.label, spec=s, key=record_key(
                     {**base, "dataset": name, "prompt_index": index, "prompt_sha": prompt_sha,
                      "temperature": temperature, "seed": args.seed + index, "method": s.label}))
-                    for s in specs if not (s.name == "hf" and temperature > 0)]  # hf: greedy only
+                    for s in specs if not (s.peer and temperature > 0)]  # hf, llamacpp: greedy only
                 groups.append(dict(dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
                                    prompt_sha=prompt_sha, seed=args.seed + index, slots=slots))
     return groups
@@ -165,7 +170,7 @@ def load_records(out: Path) -> dict[str, dict]:
     return records
 
 
-def run_group(pair, group, args, env, sinks, progress, inject: list, hf) -> list[dict]:
+def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> list[dict]:
     """Decode one prompt with every method (runner.run_prompt: ar first, greedy outputs checked against it),
     append the records (and with --traces their per-step traces) to the sinks."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
@@ -198,7 +203,7 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, hf) -> list
         progress.update(1)
 
     specs = [slot["spec"] for slot in group["slots"]]
-    return run_prompt(pair, group["prompt"], specs, settings, group["seed"], hf, tamper, on_record)
+    return run_prompt(pair, group["prompt"], specs, settings, group["seed"], peers, tamper, on_record)
 
 
 WARMUP_TOKENS = 8
@@ -311,13 +316,15 @@ def summarize(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
 
 
 COLUMNS = ["dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup"] + [f"{s} ms/tok" for s in STAGES] + \
-    ["tie flips", "errors"]
+    ["agrees with ar", "tie flips", "errors"]
 
 
 def _cells(row: dict) -> list[str]:
     return [row["dataset"], f"{row['temperature']:g}", row["method"], str(row["prompts"]), f"{row['tau']:.2f}",
             f"{row.get('mean_nodes', 0.0):.1f}", f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x"] + \
-        [f"{row['stage_ms_per_token'][s]:.1f}" for s in STAGES] + [str(row["tie_flips"]), str(row["errors"])]
+        [f"{row['stage_ms_per_token'][s]:.1f}" for s in STAGES] + \
+        ["-" if row.get("agreement") is None else f"{100 * row['agreement']:.0f}%"] + \
+        [str(row["tie_flips"]), str(row["errors"])]  # agreement: llamacpp rows only
 
 
 def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
@@ -370,7 +377,7 @@ def _main(args) -> int:
     args.threads = args.threads or default_threads(world)
     torch.set_num_threads(args.threads)
     out = output_dir(args.out, "--out")
-    specs = parse_methods(args.methods, args.budgets)
+    specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
@@ -390,11 +397,11 @@ def _main(args) -> int:
     shard, trace_shard = out / f"records{suffix}.jsonl", out / f"traces{suffix}.jsonl"
     progress = tqdm(total=sum(len(g["slots"]) for g in todo), desc=f"rank {rank}", unit="run", position=rank,
                     disable=args.no_progress, dynamic_ncols=True)
-    hf = HFBaseline(pair)
+    peers = Peers(pair)
     started = time.perf_counter()
     if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
         warm = run_prompt(pair, todo[0]["prompt"], specs, RunSettings(WARMUP_TOKENS, block_size=args.block_size),
-                          hf=hf)
+                          peers=peers)
         if rank == 0:
             say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
                 f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")
@@ -405,7 +412,7 @@ def _main(args) -> int:
                 f.write("\n")  # a crash cut the last line short: never glue a new record onto it
         for i, group in enumerate(todo):
             t0 = time.perf_counter()
-            recs = run_group(pair, group, args, env, {"records": sink, "traces": traces}, progress, inject, hf)
+            recs = run_group(pair, group, args, env, {"records": sink, "traces": traces}, progress, inject, peers)
             errors += sum(r["check"] == "error" for r in recs)
             if i == 0 and rank == 0 and len(todo) > 1:
                 scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(recs, todo[:1], args))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .config import ConfigError, check_int
 from .method_spec import parse_methods
+from .peers import Peers, available
 from .runner import RunSettings, run_prompt, summarize_methods
 
 
@@ -31,7 +32,7 @@ class Comparison:
 def compare(pair, prompts, methods=("ar", "dflash", "ddtree"), budget=None, max_new_tokens: int = 128,
             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, block_size: int | None = None,
             seed: int = 0, chat: bool = True, warmup: bool = True, show: bool = True) -> Comparison:
-    """Decode every prompt with every method (ar, hf, dflash, ddtree, ddtree:N, ddtree:auto; a bare ddtree takes
+    """Decode every prompt with every method (ar, hf, llamacpp, dflash, ddtree, ddtree:N, ddtree:auto; a bare ddtree takes
     `budget`), methods interleaved per prompt so machine drift hits all alike. At temperature 0 each method's
     tokens are checked against `ar`'s (tie flips counted, errors reported). Speedup: see runner.py."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
@@ -40,18 +41,14 @@ def compare(pair, prompts, methods=("ar", "dflash", "ddtree"), budget=None, max_
     if not prompts:
         raise ConfigError("prompts is empty: give at least one prompt")
     check_int("seed", seed)
-    specs = parse_methods(methods, None if budget is None else [budget])
+    specs = available(parse_methods(methods, None if budget is None else [budget]))
     settings = RunSettings(max_new_tokens, temperature, top_p, top_k, block_size, chat)
-    hf = None
-    if any(s.name == "hf" for s in specs):
-        from .hf_baseline import HFBaseline
-
-        hf = HFBaseline(pair)
+    peers = Peers(pair)
     if warmup:  # first-call costs (allocator, kernels, the adaptive budget's cost curve) stay out of the timings
-        run_prompt(pair, prompts[0], specs, RunSettings(8, temperature, top_p, top_k, block_size, chat), seed, hf)
+        run_prompt(pair, prompts[0], specs, RunSettings(8, temperature, top_p, top_k, block_size, chat), seed, peers)
     result = Comparison()
     for index, prompt in enumerate(prompts):
-        for rec in run_prompt(pair, prompt, specs, settings, seed + index, hf):
+        for rec in run_prompt(pair, prompt, specs, settings, seed + index, peers):
             result.records.append({**rec, "prompt_index": index})
     result.rows = summarize_methods(result.records, specs)
     if show:

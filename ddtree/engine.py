@@ -166,8 +166,9 @@ def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: in
     spec = MethodSpec.parse(method, budget)
     if spec.name == "ar":
         return AR(spec)
-    if spec.name == "hf":
-        raise ConfigError("method 'hf' is Hugging Face generate() on the same weights: it runs in compare and the "
+    if spec.peer:
+        program = "Hugging Face generate()" if spec.name == "hf" else "llama.cpp's plain decoding"
+        raise ConfigError(f"method {spec.label!r} is {program} on the same weights: it runs in compare and the "
                           "benchmark (greedy only), not in the decoding loop; use ar, dflash or ddtree here")
     if drafter is None:
         raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
@@ -200,11 +201,12 @@ class Decoder:
     def __init__(self, target, drafter=None):
         self.target, self.drafter = target, drafter
 
-    def accept(self, tree: DraftTree, ancestors, logits: torch.Tensor, sampling: SamplingParams, generator):
-        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, only at the
-        nodes the walk visits (processing a 49K-token distribution costs ~1 ms per node on a CPU). Tests
-        override this to plant a biased rule."""
-        if sampling.greedy:
+    def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
+        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, or with
+        RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (processing a 49K-token
+        distribution costs ~1 ms per node on a CPU, an LM-head row ~6.5 ms). logits: [N, V] or RowLogits.
+        Tests override this to plant a biased rule."""
+        if sampling.greedy and isinstance(logits, torch.Tensor):
             return walk(tree, ancestors, choose(logits, sampling, generator))
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
@@ -269,7 +271,8 @@ class Decoder:
                 vis = Visibility(start, ancestors)
                 positions = torch.from_numpy(tree.depths).to(device) + start
             with timer("verify"):
-                out = target(tree.tokens, positions, tcache, vis, taps)
+                lazy = {"row_logits": True} if tree.size > 1 and getattr(target, "row_logits", False) else {}
+                out = target(tree.tokens, positions, tcache, vis, taps, **lazy)
                 path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
             with timer("commit"):
                 n = len(path)

@@ -246,7 +246,9 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def resolve_target_dir(target: str | os.PathLike | None) -> Path:
+def target_path(target: str | os.PathLike | None) -> Path:
+    """The file or directory a target argument names: the embedded default's GGUF for None, the one .gguf of a
+    directory without a config.json, else the path itself."""
     path = default_target_path() if target is None else Path(target).expanduser()
     if not path.exists():
         raise ConfigError(f"target path {path} does not exist")
@@ -254,6 +256,17 @@ def resolve_target_dir(target: str | os.PathLike | None) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             path = ggufs[0]
+    return path
+
+
+def source_gguf(target: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a target is loaded from (None: a Hugging Face directory)."""
+    path = target_path(target)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_target_dir(target: str | os.PathLike | None) -> Path:
+    path = target_path(target)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ConfigError(f"{path} is a file but not a .gguf; pass a GGUF file or a Hugging Face directory")
@@ -335,7 +348,7 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = Rotary(cfg)  # its buffer is derived, not stored
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().fuse()  # fused inference layout (ddtree/fused.py)
 
 
 def load_tokenizer(directory: Path):

@@ -1,4 +1,4 @@
-"""The method vocabulary, parsed in one place: `ar`, `hf`, `dflash`, `ddtree`, `ddtree:N`, `ddtree:auto`.
+"""The method vocabulary, parsed in one place: `ar`, `hf`, `llamacpp`, `dflash`, `ddtree`, `ddtree:N`, `ddtree:auto`.
 
 `pair.generate`, `compare`, the command line, the benchmark and the plots all turn the user's words into a
 `MethodSpec` here, so a bad budget gets the same clear error everywhere (`ddtree:0`, `--budgets 0`,
@@ -6,6 +6,9 @@
 
     ar           plain autoregressive decoding with a KV cache: the baseline every speedup is measured against
     hf           Hugging Face generate() on the same weights (compare and the benchmark; greedy only)
+    llamacpp     llama.cpp's plain greedy decoding of the target's weights in the same precision (a GGUF
+                 written by ddtree); llamacpp:gguf, of the GGUF file the target was loaded from (e.g. Q4_1).
+                 Compare and the benchmark, greedy only, with llama-cpp-python installed (ddtree/llamacpp_baseline.py)
     dflash       linear DFlash: one drafted block verified as a chain
     ddtree:N     DDTree: a best-first tree of N draft nodes per step (bare `ddtree`: DEFAULT_BUDGET)
     ddtree:auto  DDTree with the adaptive per-step budget (ddtree/budget.py)
@@ -17,10 +20,12 @@ from dataclasses import dataclass
 
 from .config import ConfigError
 
-NAMES = ("ar", "hf", "dflash", "ddtree")
+NAMES = ("ar", "hf", "llamacpp", "dflash", "ddtree")
+PEERS = ("hf", "llamacpp")  # other programs' plain decoding: compare and the benchmark only, greedy only
+LLAMACPP_VARIANTS = ("gguf",)  # llamacpp:gguf, the target's own GGUF file
 DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree`
 AUTO = "auto"  # the adaptive budget
-SYNTAX = "ar, hf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
+SYNTAX = "ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
 
 
 def parse_budget(value) -> int | str:
@@ -43,9 +48,11 @@ def parse_budget(value) -> int | str:
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One method, validated: `name` in NAMES; `budget` set for ddtree only (an int >= 1 or 'auto')."""
+    """One method, validated: `name` in NAMES; `budget` set for ddtree only (an int >= 1 or 'auto'); `variant`
+    for llamacpp only (None: a GGUF of the same weights and precision; 'gguf': the target's own GGUF file)."""
     name: str
     budget: int | str | None = None
+    variant: str | None = None
 
     def __post_init__(self):
         if self.name not in NAMES:
@@ -54,11 +61,21 @@ class MethodSpec:
             object.__setattr__(self, "budget", parse_budget(self.budget))
         elif self.budget is not None:
             raise ConfigError(f"only ddtree takes a budget, got {self.name}:{self.budget}; use {SYNTAX}")
+        if self.variant is not None and (self.name != "llamacpp" or self.variant not in LLAMACPP_VARIANTS):
+            raise ConfigError(f"unknown method {self.name}:{self.variant}; use {SYNTAX}")
 
     @property
     def label(self) -> str:
-        """The name a record, a table row and a plot use: 'ar', 'dflash', 'ddtree:16', 'ddtree:auto'."""
-        return f"{self.name}:{self.budget}" if self.name == "ddtree" else self.name
+        """The name a record, a table row and a plot use: 'ar', 'dflash', 'ddtree:16', 'ddtree:auto',
+        'llamacpp:gguf'."""
+        if self.name == "ddtree":
+            return f"{self.name}:{self.budget}"
+        return f"{self.name}:{self.variant}" if self.variant else self.name
+
+    @property
+    def peer(self) -> bool:
+        """Another program's plain decoding (hf, llamacpp): not our decoding loop; greedy only."""
+        return self.name in PEERS
 
     @property
     def adaptive(self) -> bool:
@@ -74,6 +91,8 @@ class MethodSpec:
         if not isinstance(method, str):
             raise ConfigError(f"a method is a string ({SYNTAX}), got {method!r}")
         name, colon, explicit = method.strip().partition(":")
+        if colon and name == "llamacpp":
+            return cls(name, variant=explicit)
         if colon:
             if name != "ddtree":
                 raise ConfigError(f"only ddtree takes a budget, got {method!r}; use {SYNTAX}")

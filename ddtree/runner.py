@@ -27,22 +27,24 @@ class RunSettings:
     trace: bool = False  # keep per-step tree traces in the records ("trace")
 
 
-def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, seed: int = 0, hf=None,
+def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, seed: int = 0, peers=None,
                tamper=None, on_record=None) -> list[dict]:
     """Decode `prompt` with every spec in order, back to back, `ar` first (its tokens are the reference), and
     return one record per method: the stats, `method` (the label, e.g. ddtree:16), `method_name`, `token_ids`
     and `check`: reference (ar) / identical / tie_flip / error (see checker.py) / skipped (T > 0).
-    `hf` (Hugging Face generate(), an HFBaseline) runs at T=0 only. tamper(spec, tokens, record) -> tokens
+    Peer methods (hf, llamacpp: other programs, run by `peers`, a peers.Peers) run at T=0 only; llama.cpp's
+    arithmetic is not ours, so its check is `agreement` (the share of ar's tokens it reproduces before the
+    first difference) and never an error. tamper(spec, tokens, record) -> tokens
     may alter a method's tokens before the check (the benchmark's self-test of the checker); on_record(record)
     is called as each method finishes (progress, incremental writes)."""
     if specs[0].name != "ar":
         raise ValueError("the first method must be ar: its tokens are the reference")
     records, reference = [], None
     for spec in specs:
-        if spec.name == "hf":
+        if spec.peer:
             if settings.temperature > 0:
                 continue  # greedy only
-            res = hf.generate(prompt, settings.max_new_tokens, settings.chat)
+            res = peers.generate(spec, prompt, settings.max_new_tokens, settings.chat)
         else:
             res = pair.generate(prompt, method=spec, block_size=settings.block_size,
                                 temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
@@ -56,6 +58,9 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
             reference, rec["check"] = (res.prompt_ids, tokens), "reference"
         elif settings.temperature > 0:
             rec["check"] = "skipped (T > 0)"
+        elif spec.name == "llamacpp":  # other arithmetic: report how far it agrees, never fail
+            rec["agreement"] = agreement(reference[1], tokens)
+            rec["check"] = "identical" if tokens == reference[1] else "differs (llama.cpp)"
         else:
             verdict = pair.check(reference[0], reference[1], tokens)
             rec["check"], rec["check_detail"] = verdict.kind, verdict.describe()
@@ -66,6 +71,12 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         if on_record is not None:
             on_record(rec)
     return records
+
+
+def agreement(reference: list[int], tokens: list[int]) -> float:
+    """The share of the reference's tokens that `tokens` reproduces before their first difference."""
+    same = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), min(len(reference), len(tokens)))
+    return same / max(1, len(reference))
 
 
 def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
@@ -92,5 +103,7 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
             stage_ms_per_token={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new)
                                 for st in STAGES},
             tie_flips=sum(r["check"] == "tie_flip" for r in recs),
+            agreement=(sum(r["agreement"] for r in recs if "agreement" in r) / len(recs)
+                       if any("agreement" in r for r in recs) else None),  # llamacpp: share of ar's tokens
             errors=sum(r["check"] == "error" for r in recs)))
     return rows

@@ -9,7 +9,7 @@ from torch import nn
 from .attention import Visibility, attend
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import DecoderLayer, RMSNorm, Rotary
+from .layers import DecoderLayer, RMSNorm, Rotary, project
 
 
 class _Backbone(nn.Module):
@@ -22,8 +22,25 @@ class _Backbone(nn.Module):
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [N, V] (or [1, V] when only the last position was asked for)
+    logits: "torch.Tensor | RowLogits"  # [N, V] ([1, V] with last_only; RowLogits with row_logits=True)
     taps: torch.Tensor | None  # [N, len(tap_layers) * hidden]: the drafter's context features
+
+
+class RowLogits:
+    """A verify pass's logits, computed only for the rows asked for: `logits[i:i + 1]` -> [1, V] through the
+    1-row LM head, `logits[:]` -> all [N, V]. Why: a tree walk reads the target's choice only at the nodes on
+    its path (tau of them, ~2 for the shipped drafter), and on a float32 CPU one 1-row LM-head pass streams
+    the [V, H] head in ~6.5 ms (SmolLM2) while all N rows cost compute: 16 rows ~40-60 ms on the AVX2 EPYC."""
+
+    def __init__(self, target: "TargetModel", hidden: torch.Tensor):
+        self.target, self.hidden = target, hidden  # hidden: final-normed [N, H]
+        self.shape = (hidden.shape[0], target.cfg.vocab_size)
+
+    @torch.inference_mode()  # read after the pass, outside its inference mode; hidden is an inference tensor
+    def __getitem__(self, rows) -> torch.Tensor:
+        if not isinstance(rows, slice):
+            raise TypeError("RowLogits are read by row slices, e.g. logits[i:i + 1] or logits[:]")
+        return self.target.logits(self.hidden[rows])
 
 
 class TargetModel(nn.Module):
@@ -40,6 +57,38 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg)
         self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
+        self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
+
+    @property
+    def fused(self) -> bool:
+        return self.model.layers[0].self_attn.qkv_weight is not None
+
+    def fuse(self, on: bool = True) -> "TargetModel":
+        """The inference weight layout (ddtree.fused: fused QKV and gate/up, a CPU LM head), or back to the
+        separate-projection reference layout with on=False. Call after the final .to(device, dtype)."""
+        from .fused import fuse_model, unfuse_layer
+
+        if on:
+            self.head_t = fuse_model(self, self.model.layers, self.lm_head)
+        else:
+            for layer in self.model.layers:
+                unfuse_layer(layer)
+            self.head_t = None
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .float() / .cuda() copy parameters, which would cut the q/k/v views off the fused weights:
+        # convert the reference layout and fuse again.
+        if not self.fused:
+            return super()._apply(fn, *args, **kwargs)
+        self.fuse(False)
+        super()._apply(fn, *args, **kwargs)
+        return self.fuse()
+
+    @property
+    def row_logits(self) -> bool:
+        """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU."""
+        return self.head_t is not None
 
     @property
     def device(self) -> torch.device:
@@ -53,8 +102,8 @@ class TargetModel(nn.Module):
         return self.model.embed_tokens(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states -> logits; the drafter shares this LM head."""
-        return self.lm_head(hidden)
+        """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        return project(hidden, self.lm_head.weight, self.head_t)  # head_t: a 1-row fast path (ddtree.fused)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
@@ -62,9 +111,10 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
-                tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
+                tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
         """One pass over N new tokens [N] at `positions` [N]; writes their K/V at cache rows
-        [cache.length, cache.length + N) without committing them (the caller commits)."""
+        [cache.length, cache.length + N) without committing them (the caller commits). row_logits: return
+        the logits as RowLogits, computed per row when read (see RowLogits)."""
         backend = self.attention_backend
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
@@ -76,7 +126,8 @@ class TargetModel(nn.Module):
                 taps.append(h)
         if last_only:
             h = h[-1:]
-        logits = self.logits(self.model.norm(h))
+        hidden = self.model.norm(h)
+        logits = RowLogits(self, hidden) if row_logits else self.logits(hidden)
         # Tap order follows tap_layers (the drafter's target_layer_ids order).
         by_layer = dict(zip(sorted(tap_layers), taps))
         features = torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None

@@ -14,8 +14,9 @@ QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_
 
 
 def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, device="cpu", init_scale: float = 0.1,
-                  **overrides) -> TargetModel:
-    """A seeded random target. init_scale is the weights' std; larger gives peakier next-token distributions."""
+                  fused: bool = True, **overrides) -> TargetModel:
+    """A seeded random target. init_scale is the weights' std; larger gives peakier next-token distributions.
+    fused: the inference weight layout that loading gives (ddtree/fused.py); False, the separate projections."""
     fields = {**TINY, "arch": arch, "rope_theta": 10000.0, "tie_word_embeddings": arch == "llama", **overrides}
     cfg = ModelConfig(**fields)
     gen = torch.Generator().manual_seed(seed)
@@ -26,7 +27,7 @@ def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, devic
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * init_scale)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval().fuse(fused)
 
 
 def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, block_size: int = 8, **kw):

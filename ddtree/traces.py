@@ -5,7 +5,8 @@ One record per decoding step (JSON-ready):
     tokens          [N] node tokens in tree order (node 0 = the root, the last committed token)
     parents         [N] parent node (-1 for the root); depths [N] (root 0)
     draft_logprobs  [N] the drafter's log-probability of each node's token at its block position (root 0.0)
-    choices         [N] the target's token at each node (greedy: all nodes; sampled: -1 where not drawn)
+    choices         [N] the target's token at each node (greedy: all nodes; sampled, or greedy with a
+                    float32 CPU target's per-row logits (target.RowLogits): -1 where the walk did not look)
     accepted        the accepted path's node indices, root first (its last node's choice is the bonus token)
 
 `acceptance_by_depth`, `acceptance_by_rank` and `calibration` reduce a list of records to what

@@ -48,7 +48,7 @@ def test_run_prompt_skips_hf_when_sampling_and_lets_a_tamper_fail_the_check():
     target, drafter = random_pair("llama", seed=9, block_size=4)
     pair = Pair(target, drafter, None)
     specs = parse_methods("hf,ddtree:4")
-    sampled = run_prompt(pair, [1, 2, 3], specs, RunSettings(5, temperature=1.0), seed=1, hf=None)
+    sampled = run_prompt(pair, [1, 2, 3], specs, RunSettings(5, temperature=1.0), seed=1, peers=None)
     assert [r["method"] for r in sampled] == ["ar", "ddtree:4"] and sampled[1]["check"] == "skipped (T > 0)"
 
     def corrupt(spec, tokens, record):

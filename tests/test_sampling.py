@@ -67,7 +67,7 @@ class BiasedDecoder(Decoder):
     """Accepts a draft child whenever the target gives it >= 25% probability, instead of drawing: biased."""
 
     def accept(self, tree, ancestors, logits, sampling, generator):
-        probs = processed_probs(logits, sampling)
+        probs = processed_probs(logits[:], sampling)  # all rows (the engine may hand RowLogits)
         choices = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         for child in range(1, tree.size):
             parent, tok = int(tree.parents[child]), int(tree.tokens[child])

@@ -44,10 +44,12 @@ def test_reductions_by_hand():
         assert 0 <= mean_p <= 1 and 0 <= frac <= 1
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["row-logits", "all-logits"])  # float32 CPU: RowLogits
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("method", ["dflash", "ddtree:12"])
-def test_engine_traces_are_consistent(method, temperature):
-    target, drafter = random_pair("qwen3", seed=7, block_size=6, init_scale=0.25)
+def test_engine_traces_are_consistent(method, temperature, fused):
+    target, drafter = random_pair("qwen3", seed=7, block_size=6, init_scale=0.25, fused=fused)
+    assert target.row_logits == fused
     pair = Pair(target, drafter, None)
     prompt = [4, 8, 15, 16, 23]
     reference, _ = run(target, None, prompt, "ar", max_new_tokens=30)
@@ -61,9 +63,9 @@ def test_engine_traces_are_consistent(method, temperature):
         for parent, child in zip(path, path[1:]):  # each accepted draft is the target's choice at its parent
             assert rec["parents"][child] == parent and tokens[child] == choices[parent]
         assert rec["draft_logprobs"][0] == 0.0 and all(lp <= 1e-6 for lp in rec["draft_logprobs"])
-        if temperature == 0:
+        if temperature == 0 and not fused:  # every node's choice from one argmax over all logits
             assert all(c >= 0 for c in choices)
-        else:  # drawn only where the walk looked
+        else:  # drawn (sampled, or read from RowLogits) only where the walk looked
             assert {i for i, c in enumerate(choices) if c >= 0} == set(path)
         emitted += [choices[i] for i in path]
     assert emitted[:len(res.token_ids)] == res.token_ids
