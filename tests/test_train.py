@@ -219,6 +219,16 @@ def test_given_follow_up_ids_continue_the_row_and_slots_may_change_on_resume(tmp
         generate_data(target, None, prompts, tmp_path, replace(settings, max_new_tokens=5), progress=False)
 
 
+def test_resume_keeps_the_runs_evaluation_settings_unless_given():
+    saved = vars(_config(eval_every=300, eval_ddtree_budget=32, max_minutes=6.0, max_steps=9))
+    now = _config(max_minutes=5.0)  # this command line set only --max-minutes (the rest are defaults)
+    cfg = resume_config(saved, now, given={"max_minutes"})
+    assert (cfg.eval_every, cfg.eval_ddtree_budget, cfg.max_minutes, cfg.max_steps) == (300, 32, 5.0, None)
+    cfg = resume_config(saved, _config(eval_ddtree_budget=0), given={"eval_ddtree_budget"})
+    assert cfg.eval_ddtree_budget == 0 and cfg.eval_every == 300
+    assert resume_config(saved, now).eval_ddtree_budget == now.eval_ddtree_budget  # no `given`: all runtime fields
+
+
 def test_prompts_file_follow_ups_and_several_data_dirs(tiny_data, tmp_path):
     from ddtree.config import ConfigError
     from ddtree.train.cli import _read_prompts_file

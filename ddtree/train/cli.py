@@ -235,7 +235,7 @@ def cmd_fit(args) -> int:
             raise ConfigError(f"--resume: {ckpt} does not exist (start without --resume)")
         drafter, state = drafter_from_checkpoint(ckpt, target)
         _warn_ignored(args, state, drafter)
-        cfg = resume_config(state["config"], cfg)
+        cfg = resume_config(state["config"], cfg, given={k for k, v in vars(args).items() if v is not None})
     else:
         if ckpt.is_file():
             raise ConfigError(f"{out} already holds a run (checkpoint.pt): pass --resume to continue it, or "

@@ -392,8 +392,15 @@ def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
     return drafter, state
 
 
-def resume_config(saved: dict, overrides: TrainConfig) -> TrainConfig:
-    """The saved training settings, with only the runtime fields taken from this run's settings."""
+# Limits of this invocation: a resumed run takes them from its own command line, never from the saved run.
+SESSION_FIELDS = ("max_minutes", "max_steps", "progress")
+
+
+def resume_config(saved: dict, overrides: TrainConfig, given=None) -> TrainConfig:
+    """The saved training settings, with only runtime fields taken from this run's settings: all of them, or
+    (given: the names set on this command line) the session limits plus the runtime fields named in `given`,
+    so a resumed run keeps e.g. its evaluation settings unless they are given again."""
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in names})
-    return replace(cfg, **{k: getattr(overrides, k) for k in RUNTIME_FIELDS})
+    take = RUNTIME_FIELDS if given is None else [k for k in RUNTIME_FIELDS if k in SESSION_FIELDS or k in given]
+    return replace(cfg, **{k: getattr(overrides, k) for k in take})
