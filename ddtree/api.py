@@ -14,8 +14,7 @@ from .config import ConfigError, SamplingParams
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
-                      source_gguf,
-                      resolve_target_dir, stop_token_ids)
+                      resolve_target_dir, source_gguf, stop_token_ids)
 from .method_spec import MethodSpec
 from .stats import GenerationStats
 

@@ -75,7 +75,9 @@ def model_card(state: dict, run_dir: Path | None, data_dirs, dtype: str, name: s
              + (f"{1 - cfg['distill']:g} x cross-entropy with the target's token + {cfg['distill']:g} x cross-entropy "
                 f"with the target's own top-{cfg['distill_topk']} distribution (distillation)."
                 if cfg.get("distill") else "cross-entropy with the target's token."), ""]
-    dirs = [] if data_dirs is None else [data_dirs] if isinstance(data_dirs, (str, Path)) else list(data_dirs)
+    from .data import data_dir_list
+
+    dirs = data_dir_list(data_dirs)
     for d in dirs:
         lines += _data_section(Path(d), "## Training data" + (f": `{Path(d).name}`" if len(dirs) > 1 else ""))
     evals = []

@@ -87,15 +87,14 @@ def _read_prompts_file(path: str):
         i = number - 1  # keys stay what they were when lines were counted from 0
         key, source = (r.get("key", f"file/{i}"), r.get("source", "file")) if isinstance(r, dict) else (None, None)
         follow, follow_ids = (r.get("follow_up"), r.get("follow_up_ids")) if isinstance(r, dict) else (None, None)
-        if isinstance(r, dict) and _is_ids(r.get("ids")) and follow is None and \
-                (follow_ids is None or _is_ids(follow_ids)):
+        ids_follow_ok = follow is None and (follow_ids is None or _is_ids(follow_ids))  # with "ids": ids only
+        text_follow_ok = follow_ids is None and (follow is None or isinstance(follow, str) and follow.strip())
+        if isinstance(r, dict) and _is_ids(r.get("ids")) and ids_follow_ok:
             out.append(Prompt(key, source, ids=r["ids"], follow_up_ids=follow_ids))
-        elif isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip() and follow_ids is None \
-                and (follow is None or isinstance(follow, str) and follow.strip()):
+        elif isinstance(r, dict) and isinstance(r.get("text"), str) and r["text"].strip() and text_follow_ok:
             out.append(Prompt(key, source, [{"role": "user", "content": r["text"]}], follow_up=follow))
         elif isinstance(r, dict) and isinstance(r.get("messages"), list) and r["messages"] and \
-                all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in r["messages"]) and \
-                follow_ids is None and (follow is None or isinstance(follow, str) and follow.strip()):
+                all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in r["messages"]) and text_follow_ok:
             out.append(Prompt(key, source, r["messages"], follow_up=follow))
         else:
             hint = " (that is the benchmark's format)" if isinstance(r, dict) and {"prompt", "turns"} & set(r) else ""

@@ -269,10 +269,17 @@ def read_records(data_dir) -> list[dict]:
     return out
 
 
+def data_dir_list(data_dirs) -> list:
+    """One data directory (str or path) or several (any iterable) as a list; None as an empty list."""
+    if data_dirs is None:
+        return []
+    return [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
+
+
 def read_sequences(data_dirs, split: str | None = "train", min_response: int = 2) -> list[Sequence]:
     """The records of one data directory, or of several (a list, in order), as training sequences (one split,
     or all with split=None)."""
-    dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
+    dirs = data_dir_list(data_dirs)
     return [Sequence(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["key"], r["source"],
                      r.get("turn", 1), r.get("temperature", 0.0))
             for d in dirs for r in read_records(d)
