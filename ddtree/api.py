@@ -124,18 +124,40 @@ def _preview(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def check_quant(quant, target, device, dtype) -> Path | None:
+    """The GGUF file whose blocks quant='gguf' runs (None without quant), or a ConfigError naming the fix."""
+    if quant is None:
+        return None
+    if quant != "gguf":
+        raise ConfigError(f"unknown quant {quant!r}; the one choice is 'gguf' (the target GGUF's own quantization)")
+    path = source_gguf(target)
+    if path is None:
+        raise ConfigError(f"quant='gguf' needs a GGUF target (the embedded default or a .gguf file), not {target!r}")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ConfigError(f"quant='gguf' runs on the CPU only, not {device!r}; leave device unset")
+    if dtype is not None and parse_dtype(dtype) != torch.float32:
+        raise ConfigError(f"quant='gguf' takes float32 activations, not {dtype!r}; leave dtype unset")
+    return path
+
+
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
-         backend: str = "auto") -> Pair:
+         backend: str = "auto", quant: str | None = None) -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on CUDA and on
     CPUs with bf16 matrix units, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
-    which ran."""
-    device = resolve_device(device)  # before the (slow) model load: an unusable device fails at once
-    dtype = default_dtype(device) if dtype is None else parse_dtype(dtype)
+    which ran. quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (CPU, float32
+    activations; the same model as the float one, weights read at 5-8.5 bits; see ddtree/quant_target.py)."""
+    gguf = check_quant(quant, target, device, dtype)
+    device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
+    dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
     tgt = load_target(directory, dtype, device, attention_backend, backend)
+    if gguf is not None:
+        from .quant_target import quantize_target
+
+        quantize_target(tgt, gguf)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)

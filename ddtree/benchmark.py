@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
+    p.add_argument("--quant", choices=["gguf"],
+                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
     p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
@@ -134,10 +136,16 @@ def drafter_fingerprint(pair) -> str:
     return f"{pair.drafter.label}:{total:.9e}"
 
 
+def dtype_label(pair) -> str:
+    """The pair's dtype, with the target's quantization when it runs on GGUF blocks: "float32 gguf Q4_1/Q8_0"."""
+    quant = getattr(pair.target, "quant", None)
+    return str(pair.dtype).removeprefix("torch.") + (f" {quant}" if quant else "")
+
+
 def build_plan(args, pair, specs) -> list[dict]:
     """One group per dataset x temperature x prompt; each group lists a keyed record slot per method."""
     base = dict(target=args.target or "embedded:SmolLM2-135M-Instruct", drafter=drafter_fingerprint(pair),
-                dtype=str(pair.dtype).removeprefix("torch."), device=pair.device.type, threads=args.threads,
+                dtype=dtype_label(pair), device=pair.device.type, threads=args.threads,
                 max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, block_size=args.block_size,
                 attention=args.attention, **({"inject_mismatch": True} if args.inject_mismatch else {}),
                 **({"traces": True} if args.traces else {}))
@@ -286,7 +294,7 @@ def environment(pair, threads: int, world: int) -> dict:
     import transformers
 
     return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-                device=str(pair.device), dtype=str(pair.dtype).removeprefix("torch."), threads=threads,
+                device=str(pair.device), dtype=dtype_label(pair), threads=threads,
                 world_size=world, cpu=machine_name("cpu"), target=pair.name, drafter=pair.drafter.label,
                 gpu=torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
                 git_commit=_git_commit())
@@ -380,7 +388,7 @@ def _main(args) -> int:
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
-    pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention)
+    pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant)
     if rank == 0:
         barrier(world)
     env = environment(pair, args.threads, world)

@@ -16,6 +16,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (default: triton on CUDA, sdpa elsewhere)")
+    p.add_argument("--quant", choices=["gguf"],
+                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
     p.add_argument("--backend", default="auto", choices=["auto", "own", "hf"],
                    help="target backend: own-code model (llama/qwen2/qwen3/mistral) or any Hugging Face causal LM "
                         "(default: own where it covers the architecture, else hf)")
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             method = MethodSpec.parse(args.method, args.budget)
         else:
             methods = parse_methods(args.methods, None if args.budget is None else [args.budget])
-        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend)
+        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
         if args.command == "generate":

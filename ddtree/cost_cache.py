@@ -54,7 +54,8 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                         t.num_kv_heads, t.head_dim],
                 drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
                          len(drafter.cfg.target_layer_ids)],
-                block_size=block_size, max_nodes=max_nodes)
+                block_size=block_size, max_nodes=max_nodes,
+                **({"quant": target.quant} if getattr(target, "quant", None) else {}))  # quant="gguf": other costs
 
 
 def costs_dir() -> Path:

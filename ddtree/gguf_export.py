@@ -25,6 +25,7 @@ from .config import ConfigError
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 DROPPED_KEYS = ("GGUF.", "general.architecture", "general.file_type")  # the writer sets these itself
 FILE_TYPES = {torch.float32: 0, torch.bfloat16: 32}  # llama_ftype: ALL_F32, MOSTLY_BF16
+QUANT_FILE_TYPES = {"Q4_1": 3, "Q8_0": 7}  # llama_ftype: MOSTLY_Q4_1, MOSTLY_Q8_0
 
 
 def permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -68,9 +69,11 @@ def _tensors(target, arch: str):
         yield name, data
 
 
-def write_gguf(target, path: str | Path, template: str | Path) -> Path:
+def write_gguf(target, path: str | Path, template: str | Path, quant: str | None = None) -> Path:
     """The target's weights as a GGUF at `path`, in the target's dtype (float32 or bfloat16), with the
-    non-weight metadata of `template` (see the module doc). Returns the path."""
+    non-weight metadata of `template` (see the module doc). Returns the path. quant="Q4_1" or "Q8_0": the
+    layers' matrices in that quantization and the embedding / LM head in Q8_0, as the embedded default's file
+    (for tests of quant='gguf' loading; a float32 target only)."""
     import gguf
 
     arch = target.cfg.arch
@@ -79,14 +82,19 @@ def write_gguf(target, path: str | Path, template: str | Path) -> Path:
                           f"{getattr(target, 'backend', '?')} / {arch}")
     if target.dtype not in FILE_TYPES:
         raise ConfigError(f"llama.cpp comparison needs a float32 or bfloat16 target, not {target.dtype}")
+    if quant not in (None, *QUANT_FILE_TYPES) or (quant and target.dtype != torch.float32):
+        raise ConfigError(f"quant must be one of {', '.join(QUANT_FILE_TYPES)} (with a float32 target), not {quant!r}")
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), GGUF_ARCHS[arch])
     for key, value, vtype, sub in _template_fields(Path(template)):
         writer.add_key_value(key, value, vtype, sub_type=sub)
-    writer.add_file_type(FILE_TYPES[target.dtype])
+    writer.add_file_type(QUANT_FILE_TYPES[quant] if quant else FILE_TYPES[target.dtype])
     bf16 = target.dtype == torch.bfloat16
     for name, data in _tensors(target, arch):
-        if bf16 and data.dtype == np.uint16:
+        if quant and data.ndim == 2:
+            qtype = getattr(gguf.GGMLQuantizationType, quant if name.startswith("blk.") else "Q8_0")
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        elif bf16 and data.dtype == np.uint16:
             writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
         else:
             writer.add_tensor(name, data.astype(np.float32, copy=False))

@@ -18,7 +18,13 @@ def to_hf_model(target):
     cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype)
-    result = model.load_state_dict(target.state_dict(), strict=False)
+    if getattr(target, "quant", None):  # a GGUF-quantized target: the same weights, dequantized (exactly)
+        from .quant_target import dequantized_state
+
+        state = dequantized_state(target)
+    else:
+        state = target.state_dict()
+    result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
         raise RuntimeError(f"HF model does not match the target: {result}")
     if target.cfg.tie_word_embeddings:

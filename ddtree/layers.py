@@ -70,7 +70,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [N, in], weight [out, in], bias) -> [N, out]. A single row with weight_t (weight's contiguous
     transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t: for out > in that GEMV
-    streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC; wider passes keep F.linear (faster there)."""
+    streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC; wider passes keep F.linear (faster there).
+    A quantized weight (ddtree.qlinear.QWeight, not a tensor) runs its own kernel."""
+    if not isinstance(weight, torch.Tensor):
+        y = weight.matmul(x)
+        return y if bias is None else y + bias
     if weight_t is not None and x.shape[0] == 1:
         y = x @ weight_t
         return y if bias is None else y + bias

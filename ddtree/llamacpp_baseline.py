@@ -69,7 +69,8 @@ class LlamaCppBaseline:
         self.pair, self.variant, self.model = pair, variant, None
 
     def path(self) -> Path:
-        if self.variant == "gguf":
+        if self.variant == "gguf" or getattr(self.pair.target, "quant", None):
+            # a target running on its GGUF's blocks (quant='gguf'): that file IS its weights in its precision
             if self.pair.source_gguf is None:
                 raise ConfigError("llamacpp:gguf runs the GGUF file the target was loaded from, and this target was "
                                   "not loaded from one; use llamacpp (the same weights written as a GGUF)")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .attention import Visibility, attend
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary, project
 
@@ -58,6 +58,7 @@ class TargetModel(nn.Module):
         self.rotary = Rotary(cfg)
         self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
         self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
+        self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
 
     @property
     def fused(self) -> bool:
@@ -68,6 +69,8 @@ class TargetModel(nn.Module):
         separate-projection reference layout with on=False. Call after the final .to(device, dtype)."""
         from .fused import fuse_model, unfuse_layer
 
+        if self.quant:
+            raise ConfigError("a quantized target (quant='gguf') has no float layout to switch to; load it without quant")
         if on:
             self.head_t = fuse_model(self, self.model.layers, self.lm_head)
         else:
@@ -81,14 +84,18 @@ class TargetModel(nn.Module):
         # convert the reference layout and fuse again.
         if not self.fused:
             return super()._apply(fn, *args, **kwargs)
+        if self.quant:
+            raise ConfigError("a quantized target (quant='gguf') runs on the CPU in float32 only; load it without "
+                              "quant to move or convert it")
         self.fuse(False)
         super()._apply(fn, *args, **kwargs)
         return self.fuse()
 
     @property
     def row_logits(self) -> bool:
-        """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU."""
-        return self.head_t is not None
+        """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU,
+        and a quantized head (ddtree/qlinear.py)."""
+        return self.head_t is not None or self.quant is not None and not isinstance(self.lm_head, nn.Linear)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,171 @@
+"""GGUF-quantized linear layers on the CPU: weights kept in the file's own Q4_1 / Q8_0 blocks, activations float32.
+
+Why: plain decoding on a CPU streams every weight once per token. In fp32 that is 4 bytes a weight; Q4_1 is 5 bits
+and Q8_0 8.5, so a 1-token step reads ~6x / ~4x less. The kernel (kernels/qlinear.cpp, AVX2 + FMA, built once
+with torch's C++ extension loader) dequantizes each block of 32 in registers, exactly as gguf-py does, so the
+quantized model is exactly the float model that ddtree.loading converts the same GGUF into; only the order of
+the float sums differs. Within this model every output row is summed in the same order whatever the number of
+rows (see the kernel), so a 1-token step and a verify project a row identically.
+
+A QWeight is the packed weight [N, K] of one linear layer (or of several fused along N); a QLinear is the
+nn.Module that applies it.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError
+
+BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
+KINDS = ("Q4_1", "Q8_0")
+# Above this many rows (a long prompt's prefill) a call dequantizes the weight and runs torch's float GEMM, which
+# is cache-blocked; the kernel re-reads all x rows for every 4 weight rows, fine for decoding steps and verifies
+# (1 to 256 + 1 rows: the largest tree budgets).
+KERNEL_MAX_ROWS = 320
+
+
+@functools.cache
+def kernel():
+    """The compiled extension (built on first use, ~1 min; cached by torch under DDTREE_CACHE/torch_extensions)."""
+    from pathlib import Path
+
+    from .loading import cache_root
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise ConfigError(f"quantized GGUF targets need an x86 CPU with AVX2 (torch reports {capability!r}); "
+                          "load the target without quant='gguf' to run it in float")
+    source = Path(__file__).resolve().parent / "kernels" / "qlinear.cpp"
+    build = cache_root() / "torch_extensions" / "qlinear"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(name="ddtree_qlinear", sources=[str(source)], build_directory=str(build),
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - compiler and loader failures come in many types
+        raise ConfigError(f"cannot build the quantized-matmul kernel ({type(e).__name__}: {str(e)[-400:]}); it "
+                          "needs g++ and ninja (apt-get install g++ ninja-build, or pip install ninja). "
+                          "Without quant='gguf' the target runs in float") from e
+
+
+@dataclass
+class QWeight:
+    """A weight [N, K] in GGUF blocks along K. Q4_1: qs int32 [N, K/8], the 4-bit values repacked in lanes (see
+    kernels/qlinear.cpp: nibble g of lane l of each 64 weights is weight 8g + l), d and m float32 [N, K/32];
+    Q8_0: qs int8 [N, K] as in the file, d float32 [N, K/32], m None. Row slices and concatenations stay packed."""
+
+    kind: str
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"quantization {self.kind} is not supported; supported: {', '.join(KINDS)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * BLOCK
+
+    dtype = torch.float32  # of the activations it takes and returns
+    device = torch.device("cpu")
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> "QWeight":
+        """From a GGUF tensor's raw bytes, uint8 [N, K / 32 * block bytes]: per block fp16 d (, fp16 m), then qs."""
+        n, k = shape
+        if k % BLOCK:
+            raise ConfigError(f"a {kind} weight needs K divisible by {BLOCK}, got {shape}")
+        per = {"Q4_1": 20, "Q8_0": 34}.get(kind)
+        if per is None:
+            raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
+        b = torch.from_numpy(np.array(blocks, dtype=np.uint8))  # a copy: the file is mapped read-only
+        b = b.reshape(n, k // BLOCK, per)
+        scale = lambda i: b[..., i:i + 2].contiguous().view(torch.float16).squeeze(-1).float()  # noqa: E731
+        if kind == "Q4_1":
+            if k % 64:
+                raise ConfigError(f"a Q4_1 weight needs K divisible by 64 for the kernel's layout, got {shape}")
+            nibbles = b[..., 4:]  # [N, K/32, 16]: byte j holds weight j (low nibble) and j + 16 (high nibble)
+            q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(n, k // 64, 8, 8).to(torch.int64)
+            lanes = (q << (4 * torch.arange(8)).view(8, 1)).sum(2)  # [N, K/64, 8 lanes]: weight 8g + l at nibble g
+            lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)  # uint32 bits as int32
+            return cls(kind, lanes.reshape(n, k // 8), scale(0), scale(2))
+        return cls(kind, b[..., 2:].reshape(n, k).contiguous().view(torch.int8), scale(0))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str) -> "QWeight":
+        """Quantize a float weight [N, K] with gguf-py (tests, and weights that come without a GGUF)."""
+        import gguf
+
+        qtype = getattr(gguf.GGMLQuantizationType, kind, None)
+        if kind not in KINDS or qtype is None:
+            raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
+        blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
+        return cls.from_blocks(kind, blocks, tuple(weight.shape))
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K], rounded as gguf-py rounds it: (d * q) + m."""
+        n, k = self.shape
+        if self.kind == "Q4_1":
+            lanes = self.qs.view(n, k // 64, 1, 8)
+            q = ((lanes >> (4 * torch.arange(8)).view(8, 1)) & 0x0F).float()  # [N, K/64, 8 g, 8 l]: weight 8g + l
+            q = q.reshape(n, k // BLOCK, BLOCK)
+            return (q * self.d[..., None] + self.m[..., None]).reshape(n, k)
+        return (self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]).reshape(n, k)
+
+    def rows(self, start: int, stop: int) -> "QWeight":
+        """Output rows [start, stop): views, no copy."""
+        return QWeight(self.kind, self.qs[start:stop], self.d[start:stop],
+                       None if self.m is None else self.m[start:stop])
+
+    def permute_rows(self, order: torch.Tensor) -> "QWeight":
+        return QWeight(self.kind, self.qs[order].contiguous(), self.d[order].contiguous(),
+                       None if self.m is None else self.m[order].contiguous())
+
+    @staticmethod
+    def cat(weights: list["QWeight"]) -> "QWeight":
+        """Stacked along N (fused projections); all of one kind and K."""
+        kinds, ks = {w.kind for w in weights}, {w.shape[1] for w in weights}
+        if len(kinds) != 1 or len(ks) != 1:
+            raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} and widths {sorted(ks)}")
+        m = None if weights[0].m is None else torch.cat([w.m for w in weights])
+        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] float32 -> [..., N]: F.linear(x, self.dequantize()) up to the order of the sums."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] > KERNEL_MAX_ROWS:
+            y = F.linear(x2, self.dequantize())
+        elif self.kind == "Q4_1":
+            y = kernel().q4_1_linear(x2.contiguous(), self.qs, self.d, self.m)
+        else:
+            y = kernel().q8_0_linear(x2.contiguous(), self.qs, self.d)
+        return y.view(*lead, -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+
+class QLinear(nn.Module):
+    """A bias-free or biased linear layer on a QWeight (no parameters of its own: inference only)."""
+
+    def __init__(self, weight: QWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight.matmul(x)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,114 @@
+"""A target run on its GGUF file's own quantized weights (`ddtree.load(quant="gguf")`).
+
+The target is first loaded in float32 as always (ddtree.loading converts the GGUF once, through transformers).
+Then each linear layer whose GGUF tensor is Q4_1 or Q8_0 is swapped for a QLinear on the file's blocks, after
+checking that the blocks dequantize to exactly the float weights just loaded (bit for bit; the q/k rows that
+llama.cpp's converter permutes for Llama are put back in order). So the quantized model IS the float model, with
+weights streamed at 5 (Q4_1) or 8.5 (Q8_0) bits instead of 32; only the float sums run in another order.
+Other tensor types (F32, F16, K-quants, ...) stay float. The embedding stays float (a lookup reads one row);
+a tied LM head gets its own quantized copy, as llama.cpp uses it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+from .qlinear import KINDS, QLinear, QWeight
+
+# our module path within a layer -> the GGUF tensor name (blk.{i}.NAME.weight)
+LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+
+
+def llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation for Llama (rows [heads, D/2, 2] -> [heads, 2, D/2])."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _matching(tensor, weight: torch.Tensor, heads: int | None, name: str) -> QWeight | None:
+    """The GGUF tensor as a QWeight equal to `weight` when dequantized; None for a type that stays float."""
+    kind = tensor.tensor_type.name
+    if kind not in KINDS:
+        return None
+    q = QWeight.from_blocks(kind, tensor.data, tuple(weight.shape))
+    if torch.equal(q.dequantize(), weight):
+        return q
+    if heads is not None:
+        permuted = q.permute_rows(llama_row_order(weight.shape[0], heads))
+        if torch.equal(permuted.dequantize(), weight):
+            return permuted
+    raise ConfigError(f"GGUF tensor {name} ({kind}) does not dequantize to the float weights loaded from the same "
+                      "file; is the GGUF the one this target was converted from? Load without quant='gguf'")
+
+
+def quantize_target(target, gguf_path: Path):
+    """Swap `target`'s linear layers (fused by ddtree.fused) for QLinears on `gguf_path`'s blocks; returns it."""
+    from gguf import GGUFReader
+
+    if target.backend != "own" or not target.fused:
+        raise ConfigError("quant='gguf' needs the own-code target backend (backend='own')")
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        raise ConfigError(f"quant='gguf' runs on the CPU in float32 (asked: {target.device.type} "
+                          f"{str(target.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
+    try:
+        tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    except Exception as e:  # noqa: BLE001 - gguf raises many types for a bad file
+        raise ConfigError(f"cannot read GGUF {gguf_path} ({type(e).__name__}: {e})") from e
+    cfg, kinds = target.cfg, set()
+    for i, layer in enumerate(target.model.layers):
+        quant = {}
+        for path, gguf_name in LAYER_TENSORS.items():
+            name = f"blk.{i}.{gguf_name}.weight"
+            if name not in tensors:
+                raise ConfigError(f"GGUF {gguf_path.name} has no tensor {name}")
+            module = layer.get_submodule(path)
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name)
+            quant[path] = _matching(tensors[name], module.weight.detach(), heads, name)
+        _swap_layer(layer, quant)
+        kinds.update(q.kind for q in quant.values() if q is not None)
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    head = _matching(tensors[head_name], target.lm_head.weight.detach(), None, head_name)
+    if head is not None:
+        target.lm_head = QLinear(head)
+        target.head_t = None
+        kinds.add(head.kind)
+    target.quant = "gguf " + "/".join(sorted(kinds)) if kinds else None
+    return target
+
+
+def _swap_layer(layer, quant: dict[str, QWeight | None]) -> None:
+    """One fused layer onto its QWeights: q/k/v and gate/up each fused again (rows concatenated) when all of a
+    group is quantized alike; the separate projections become row views of the fused QWeight."""
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = ((attn, "qkv_weight", "qkv_t", ("q_proj", "k_proj", "v_proj"), "self_attn."),
+              (mlp, "gate_up_weight", "gate_up_t", ("gate_proj", "up_proj"), "mlp."))
+    for module, fused_name, transposed_name, names, prefix in groups:
+        parts = [quant[prefix + n] for n in names]
+        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+            continue  # stays float
+        fused = QWeight.cat(parts)
+        setattr(module, fused_name, fused)
+        setattr(module, transposed_name, None)
+        start = 0
+        for n, p in zip(names, parts):
+            old = getattr(module, n)
+            setattr(module, n, QLinear(fused.rows(start, start + p.shape[0]), old.bias))
+            start += p.shape[0]
+    for module, name, key in ((attn, "o_proj", "self_attn.o_proj"), (mlp, "down_proj", "mlp.down_proj")):
+        if quant[key] is not None:
+            setattr(module, name, QLinear(quant[key], getattr(module, name).bias))
+
+
+def dequantized_state(target) -> dict[str, torch.Tensor]:
+    """The float state dict of a quantized target: its QLinears' weights dequantized (exactly the float model's).
+    For the `hf` peer, which runs transformers on the same weights."""
+    state = dict(target.state_dict())
+    for name, module in target.named_modules():
+        if isinstance(module, QLinear):
+            state[f"{name}.weight"] = module.weight.dequantize()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias
+    return state
