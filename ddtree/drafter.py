@@ -18,7 +18,7 @@ from torch import nn
 from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
-from .layers import DecoderLayer, RMSNorm, Rotary
+from .layers import DecoderLayer, RMSNorm, Rotary, linear
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -257,7 +257,7 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits over the draft vocabulary [N, draft_vocab] (the target's
         vocabulary and LM head unless the drafter has a reduced one)."""
-        return self.lm_head(hidden) if self.cfg.reduced_vocab else self.target.logits(hidden)
+        return linear(hidden, self.lm_head) if self.cfg.reduced_vocab else self.target.logits(hidden)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids (any shape) -> the target's token ids."""

@@ -66,19 +66,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+# Skinny float32 CPU products (2 to this many rows: verifies, draft blocks) run through ddtree/kernels/qlinear.cpp,
+# which beat torch's GEMM there on the AVX2 EPYC (1 thread, SmolLM2's 30 layers: 16 rows 117 against 157 ms,
+# 4 rows 73 against 114 ms; the drafter's 8K head at 7 rows 4.1 against 6.6 ms) and sums each output in one
+# order whatever the number of rows. DDTREE_CPU_KERNEL=0 keeps torch everywhere (the reference).
+SKINNY_MAX_ROWS = 64
+
+
+def project(x: torch.Tensor, weight, weight_t: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [N, in], weight [out, in], bias) -> [N, out]. A single row with weight_t (weight's contiguous
     transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t: for out > in that GEMV
-    streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC; wider passes keep F.linear (faster there).
-    A quantized weight (ddtree.qlinear.QWeight, not a tensor) runs its own kernel."""
+    streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC. 2-64 float32 CPU rows go to the CPU
+    kernel (above) where it is available, others to F.linear. A quantized weight (ddtree.qlinear.QWeight, not
+    a tensor) runs its own kernel."""
     if not isinstance(weight, torch.Tensor):
         y = weight.matmul(x)
-        return y if bias is None else y + bias
-    if weight_t is not None and x.shape[0] == 1:
+    elif weight_t is not None and x.shape[0] == 1:
         y = x @ weight_t
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    elif 1 < x.shape[0] <= SKINNY_MAX_ROWS and _skinny(x, weight):
+        from .qlinear import kernel
+
+        y = kernel().f32_linear(x.contiguous(), weight)
+    else:
+        return F.linear(x, weight, bias)
+    return y if bias is None else y + bias
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """May this product take the float32 CPU kernel? Inference only (the kernel has no backward)."""
+    if weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu" or x.dim() != 2:
+        return False
+    if weight.shape[1] % 64 or not weight.is_contiguous():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    from .qlinear import cpu_kernel_available
+
+    return cpu_kernel_available()
+
+
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """An nn.Linear (or a ddtree.qlinear.QLinear) applied through project()."""
+    return project(x, layer.weight, None, layer.bias)
 
 
 class Attention(nn.Module):
@@ -104,16 +133,16 @@ class Attention(nn.Module):
         self.qkv_t: torch.Tensor | None = None  # its contiguous transpose [H, out] for 1-row passes, or None
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
+        q = linear(x, self.q_proj).view(x.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(0, 1), cos, sin)  # [Hq, N, D]
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        k = linear(x, self.k_proj).view(x.shape[0], self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        v = linear(x, self.v_proj).view(x.shape[0], self.num_kv_heads, self.head_dim)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)  # [Hkv, N, D] each
 
     def fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -131,7 +160,7 @@ class Attention(nn.Module):
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         # attn [Hq, N, D] -> [N, hidden]
-        return self.o_proj(attn.transpose(0, 1).reshape(attn.shape[1], -1))
+        return linear(attn.transpose(0, 1).reshape(attn.shape[1], -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -146,8 +175,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate, up = project(x, self.gate_up_weight, self.gate_up_t).chunk(2, dim=-1)  # [N, I] each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return linear(F.silu(gate) * up, self.down_proj)
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -13,6 +13,7 @@ nn.Module that applies it.
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,26 @@ KERNEL_MAX_ROWS = 320
 
 
 @functools.cache
+def cpu_kernel_available() -> bool:
+    """Can float32 CPU products use the kernel (layers.project)? Not with DDTREE_CPU_KERNEL=0, without AVX2, or
+    where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact)."""
+    import os
+    import warnings
+
+    if os.environ.get("DDTREE_CPU_KERNEL", "1") == "0":
+        return False
+    try:
+        kernel()
+    except ConfigError as e:
+        warnings.warn(f"ddtree: the CPU matmul kernel is unavailable, using torch's ({e})", stacklevel=2)
+        return False
+    return True
+
+
+@functools.cache
 def kernel():
-    """The compiled extension (built on first use, ~1 min; cached by torch under DDTREE_CACHE/torch_extensions)."""
+    """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/torch_extensions): the
+    quantized products, and float32 ones for layers.project."""
     from pathlib import Path
 
     from .loading import cache_root
@@ -44,6 +63,8 @@ def kernel():
     source = Path(__file__).resolve().parent / "kernels" / "qlinear.cpp"
     build = cache_root() / "torch_extensions" / "qlinear"
     build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("ddtree_qlinear*.so")):
+        print(f"ddtree: building the CPU matmul kernel (once, ~1 min; cached in {build})", file=sys.stderr, flush=True)
     try:
         from torch.utils.cpp_extension import load
 

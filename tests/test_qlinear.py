@@ -192,3 +192,45 @@ def test_quantized_and_float_targets_keep_separate_verify_cost_curves(tmp_path):
     drafter = untrained_drafter(f, 1, 8)
     assert cost_key(q, drafter, 8, 64) != cost_key(f, drafter, 8, 64)
     assert cost_key(q, drafter, 8, 64)["quant"] == "gguf Q4_1/Q8_0" and "quant" not in cost_key(f, drafter, 8, 64)
+
+
+def test_float32_kernel_matches_torch_and_does_not_depend_on_the_batch():
+    from ddtree.qlinear import kernel
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(203, 192, generator=gen)
+    x = torch.randn(17, 192, generator=gen)
+    y = kernel().f32_linear(x, w)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(y, torch.cat([kernel().f32_linear(x[i:i + 1].contiguous(), w) for i in range(17)]))
+
+
+def test_project_takes_the_kernel_for_skinny_inference_products_only(monkeypatch):
+    """2-64 float32 rows in inference go to the kernel; a product that needs gradients, or
+    DDTREE_CPU_KERNEL=0, stays on torch's F.linear."""
+    import ddtree.layers as layers
+    import ddtree.qlinear as qlinear
+
+    calls = []
+    real = qlinear.kernel()
+    monkeypatch.setattr(qlinear, "kernel", lambda: type("K", (), {
+        "f32_linear": staticmethod(lambda x, w: calls.append(x.shape[0]) or real.f32_linear(x, w))}))
+    w = torch.randn(32, 64)
+    with torch.inference_mode():
+        layers.project(torch.randn(5, 64), w, None)
+        layers.project(torch.randn(1, 64), w, None)  # one row: torch (as fast, and weight_t where kept)
+        layers.project(torch.randn(65, 64), w, None)  # wide: torch's blocked GEMM
+    assert calls == [5]
+    wg = torch.randn(32, 64, requires_grad=True)
+    out = layers.project(torch.randn(5, 64), wg, None)
+    out.sum().backward()  # F.linear: differentiable
+    assert calls == [5] and wg.grad is not None
+    qlinear.cpu_kernel_available.cache_clear()
+    monkeypatch.setenv("DDTREE_CPU_KERNEL", "0")
+    try:
+        with torch.inference_mode():
+            layers.project(torch.randn(5, 64), w, None)
+        assert calls == [5]
+    finally:
+        monkeypatch.delenv("DDTREE_CPU_KERNEL")
+        qlinear.cpu_kernel_available.cache_clear()

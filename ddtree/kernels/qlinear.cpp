@@ -77,6 +77,31 @@ struct Q8_0 {
   }
 };
 
+// Plain float32 weights [N, K] through the same loops: for skinny products (2-64 rows) this beats torch's GEMM
+// on the AVX2 EPYC, and it gives float targets the same row-order invariance.
+struct F32 {
+  const float* w;  // [N, K]
+  int64_t k;
+
+  struct Span {
+    const float* p;
+  };
+  inline void prefetch(int64_t n, int64_t s) const {
+    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 48), _MM_HINT_T0);
+  }
+  inline Span span(int64_t n, int64_t s) const { return {w + n * k + 64 * s}; }
+  template <int G>
+  static inline __m256 w8(const Span& sp) { return _mm256_loadu_ps(sp.p + 8 * G); }
+  const float* rows(int64_t n0) const { return w + n0 * k; }  // already float: no dequantized copy needed
+};
+
+template <class Q>
+inline const float* float_rows(const Q&, int64_t) { return nullptr; }
+inline const float* float_rows(const F32& q, int64_t n0) { return q.rows(n0); }
+
 inline float hsum(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -138,10 +163,14 @@ void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t 
     for (int t = 0; t < T; ++t) y[n0 + t] = hsum(acc[t]);
     return;
   }
-  for (int64_t s = 0; s < spans; ++s) span_steps<Q, T>(q, n0, s, x, acc, buf, K, eight);
+  const float* w = float_rows(q, n0);
+  if (w == nullptr) {
+    for (int64_t s = 0; s < spans; ++s) span_steps<Q, T>(q, n0, s, x, acc, buf, K, eight);
+    w = buf;
+  }
   int64_t r = 0;
-  for (; r + 3 <= M; r += 3) rows<T, 3>(buf, x + r * K, K, y + r * N + n0, N);
-  for (; r < M; ++r) rows<T, 1>(buf, x + r * K, K, y + r * N + n0, N);
+  for (; r + 3 <= M; r += 3) rows<T, 3>(w, x + r * K, K, y + r * N + n0, N);
+  for (; r < M; ++r) rows<T, 1>(w, x + r * K, K, y + r * N + n0, N);
 }
 
 template <class Q>
@@ -193,7 +222,16 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
 
 }  // namespace
 
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w) {
+  const int64_t k = w.size(1);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && k % 64 == 0, "bad weight");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == k,
+              "x must be a contiguous float32 CPU tensor [M, K]");
+  return run(F32{w.data_ptr<float>(), k}, x, w.size(0));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("f32_linear", &f32_linear, "x [M, K] @ W^T, W float32 [N, K] (K % 64 == 0)");
   mod.def("q4_1_linear", &q4_1_linear, "x [M, K] @ W^T, W in Q4_1 blocks (lane-repacked)");
   mod.def("q8_0_linear", &q8_0_linear, "x [M, K] @ W^T, W in GGUF Q8_0 blocks");
 }
