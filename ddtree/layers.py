@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import qlinear
 from .config import ModelConfig
 
 
@@ -84,9 +85,7 @@ def project(x: torch.Tensor, weight, weight_t: torch.Tensor | None, bias: torch.
     elif weight_t is not None and x.shape[0] == 1:
         y = x @ weight_t
     elif 1 < x.shape[0] <= SKINNY_MAX_ROWS and _skinny(x, weight):
-        from .qlinear import kernel
-
-        y = kernel().f32_linear(x.contiguous(), weight)
+        y = qlinear.kernel().f32_linear(x.contiguous(), weight)
     else:
         return F.linear(x, weight, bias)
     return y if bias is None else y + bias
@@ -100,9 +99,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    from .qlinear import cpu_kernel_available
-
-    return cpu_kernel_available()
+    return qlinear.cpu_kernel_available()
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:

@@ -24,7 +24,8 @@ from torch import nn
 from .config import ConfigError
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
-KINDS = ("Q4_1", "Q8_0")
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d (, fp16 m), then the 32 weights' bits
+KINDS = tuple(BLOCK_BYTES)
 # Above this many rows (a long prompt's prefill) a call dequantizes the weight and runs torch's float GEMM, which
 # is cache-blocked; the kernel re-reads all x rows for every 4 weight rows, fine for decoding steps and verifies
 # (1 to 256 + 1 rows: the largest tree budgets).
@@ -58,22 +59,29 @@ def kernel():
 
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        raise ConfigError(f"quantized GGUF targets need an x86 CPU with AVX2 (torch reports {capability!r}); "
-                          "load the target without quant='gguf' to run it in float")
+        raise ConfigError(f"the CPU matmul kernel needs an x86 CPU with AVX2 (torch reports {capability!r}), so "
+                          "quant='gguf' cannot run here; float targets run on torch's matmuls")
     source = Path(__file__).resolve().parent / "kernels" / "qlinear.cpp"
     build = cache_root() / "torch_extensions" / "qlinear"
-    build.mkdir(parents=True, exist_ok=True)
-    if not any(build.glob("ddtree_qlinear*.so")):
-        print(f"ddtree: building the CPU matmul kernel (once, ~1 min; cached in {build})", file=sys.stderr, flush=True)
     try:
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("ddtree_qlinear*.so")):
+            print(f"ddtree: building the CPU matmul kernel (once, ~1 min; cached in {build})", file=sys.stderr,
+                  flush=True)
         from torch.utils.cpp_extension import load
 
         return load(name="ddtree_qlinear", sources=[str(source)], build_directory=str(build),
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - compiler and loader failures come in many types
-        raise ConfigError(f"cannot build the quantized-matmul kernel ({type(e).__name__}: {str(e)[-400:]}); it "
-                          "needs g++ and ninja (apt-get install g++ ninja-build, or pip install ninja). "
-                          "Without quant='gguf' the target runs in float") from e
+    except Exception as e:  # noqa: BLE001 - compiler, loader and file-system failures come in many types
+        raise ConfigError(f"cannot build the CPU matmul kernel in {build} ({type(e).__name__}: {str(e)[-400:]}); "
+                          "it needs g++, ninja (apt-get install g++ ninja-build, or pip install ninja) and a "
+                          "writable DDTREE_CACHE. quant='gguf' needs it; float targets run on torch's matmuls "
+                          "without it") from e
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
 
 
 @dataclass
@@ -88,8 +96,7 @@ class QWeight:
     m: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ConfigError(f"quantization {self.kind} is not supported; supported: {', '.join(KINDS)}")
+        check_kind(self.kind)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,14 +108,12 @@ class QWeight:
     @classmethod
     def from_blocks(cls, kind: str, blocks: np.ndarray, shape: tuple[int, int]) -> "QWeight":
         """From a GGUF tensor's raw bytes, uint8 [N, K / 32 * block bytes]: per block fp16 d (, fp16 m), then qs."""
+        check_kind(kind)
         n, k = shape
         if k % BLOCK:
             raise ConfigError(f"a {kind} weight needs K divisible by {BLOCK}, got {shape}")
-        per = {"Q4_1": 20, "Q8_0": 34}.get(kind)
-        if per is None:
-            raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
         b = torch.from_numpy(np.array(blocks, dtype=np.uint8))  # a copy: the file is mapped read-only
-        b = b.reshape(n, k // BLOCK, per)
+        b = b.reshape(n, k // BLOCK, BLOCK_BYTES[kind])
         scale = lambda i: b[..., i:i + 2].contiguous().view(torch.float16).squeeze(-1).float()  # noqa: E731
         if kind == "Q4_1":
             if k % 64:
@@ -125,9 +130,8 @@ class QWeight:
         """Quantize a float weight [N, K] with gguf-py (tests, and weights that come without a GGUF)."""
         import gguf
 
-        qtype = getattr(gguf.GGMLQuantizationType, kind, None)
-        if kind not in KINDS or qtype is None:
-            raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
+        check_kind(kind)
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
         blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
         return cls.from_blocks(kind, blocks, tuple(weight.shape))
 
@@ -171,9 +175,6 @@ class QWeight:
             y = kernel().q8_0_linear(x2.contiguous(), self.qs, self.d)
         return y.view(*lead, -1)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
-
 
 class QLinear(nn.Module):
     """A bias-free or biased linear layer on a QWeight (no parameters of its own: inference only)."""
@@ -182,10 +183,6 @@ class QLinear(nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = bias
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight.matmul(x)

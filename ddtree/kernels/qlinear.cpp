@@ -195,10 +195,14 @@ torch::Tensor run(const Q& q, const torch::Tensor& x, int64_t N) {
   return y;
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& d, int64_t k) {
+void check_x(const torch::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous float32 CPU tensor [M, K]");
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " columns; the weight has ", k);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& d, int64_t k) {
+  check_x(x, k);
   TORCH_CHECK(d.dim() == 2 && d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.size(1) * QK == k,
               "scales must be contiguous float32 [N, K / 32]");
 }
@@ -220,15 +224,14 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d) {
   return run(Q8_0{qs.data_ptr<int8_t>(), d.data_ptr<float>(), k}, x, qs.size(0));
 }
 
-}  // namespace
-
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w) {
   const int64_t k = w.size(1);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && k % 64 == 0, "bad weight");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == k,
-              "x must be a contiguous float32 CPU tensor [M, K]");
+  check_x(x, k);
   return run(F32{w.data_ptr<float>(), k}, x, w.size(0));
 }
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("f32_linear", &f32_linear, "x [M, K] @ W^T, W float32 [N, K] (K % 64 == 0)");
