@@ -124,20 +124,20 @@ def _preview(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_quant(quant, target, source: Path | None, device, dtype) -> Path | None:
-    """The GGUF file whose blocks quant='gguf' runs (`source`, the target's; None without quant), or a ConfigError
-    naming the fix."""
+def check_quant(quant, target, device, dtype) -> Path | None:
+    """The GGUF file whose blocks quant='gguf' runs (None without quant), or a ConfigError naming the fix."""
     if quant is None:
         return None
     if quant != "gguf":
         raise ConfigError(f"unknown quant {quant!r}; the one choice is 'gguf' (the target GGUF's own quantization)")
-    if source is None:
+    path = source_gguf(target)
+    if path is None:
         raise ConfigError(f"quant='gguf' needs a GGUF target (the embedded default or a .gguf file), not {target!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ConfigError(f"quant='gguf' runs on the CPU only, not {device!r}; leave device unset")
     if dtype is not None and parse_dtype(dtype) != torch.float32:
         raise ConfigError(f"quant='gguf' takes float32 activations, not {dtype!r}; leave dtype unset")
-    return source
+    return path
 
 
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
@@ -149,8 +149,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
     which ran. quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (CPU, float32
     activations; the same model as the float one, weights read at 5-8.5 bits; see ddtree/quant_target.py)."""
-    source = source_gguf(target)
-    gguf = check_quant(quant, target, source, device, dtype)
+    gguf = check_quant(quant, target, device, dtype)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
@@ -171,5 +170,5 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
     name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
-    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source_gguf(target))
 
