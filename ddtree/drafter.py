@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import cpu_stack
 from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
@@ -183,6 +184,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
+        self._stack = (None, None)  # (weights' identities and versions, the C++ layer stack built from them)
 
     # --- binding to the target --------------------------------------------------------------------------
     def bind(self, target) -> "DFlashDrafter":
@@ -228,12 +230,25 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         backend = self.attention_backend  # resolved at load
         visibility = self._visibility(positions, cache.length)
+        stack = self.cpu_stack()
+        if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
+            h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
+            return self.logits(self.norm(h[1:]))
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             vis = visibility[i]
             how = backend if vis.past is None else "sdpa"  # the Triton kernel sees the whole past
             h = layer(h, cos, sin, lambda q, k, v, i=i, vis=vis, how=how: attend(q, *cache.write(i, k, v), vis, how))
         return self.logits(self.norm(h[1:]))
+
+    def cpu_stack(self):
+        """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
+        the q/k/v and gate/up weights concatenated, so it is rebuilt whenever a weight changes (an optimizer step
+        in training's evaluation, a load, .to()): the key is every parameter's identity and version counter."""
+        key = tuple((id(p), p._version) for p in self.layers.parameters())
+        if self._stack[0] != key:
+            self._stack = (key, cpu_stack.build(self.cfg.model, self.layers))
+        return self._stack[1]
 
     def _visibility(self, positions: torch.Tensor, past_len: int) -> list[Visibility]:
         """Per draft layer, what the block (at `positions` [B]) sees of [context (positions 0..past_len-1) ; block].

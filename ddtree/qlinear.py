@@ -52,7 +52,7 @@ def cpu_kernel_available() -> bool:
 @functools.cache
 def kernel():
     """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/torch_extensions): the
-    quantized products, and float32 ones for layers.project."""
+    quantized products, float32 ones for layers.project, and the decoder-layer stack (ddtree/cpu_stack.py)."""
     from pathlib import Path
 
     from .loading import cache_root
@@ -61,7 +61,7 @@ def kernel():
     if capability not in ("AVX2", "AVX512"):
         raise ConfigError(f"the CPU matmul kernel needs an x86 CPU with AVX2 (torch reports {capability!r}), so "
                           "quant='gguf' cannot run here; float targets run on torch's matmuls")
-    source = Path(__file__).resolve().parent / "kernels" / "qlinear.cpp"
+    sources = [Path(__file__).resolve().parent / "kernels" / name for name in ("qlinear.cpp", "decoder.cpp")]
     build = cache_root() / "torch_extensions" / "qlinear"
     try:
         build.mkdir(parents=True, exist_ok=True)
@@ -70,8 +70,10 @@ def kernel():
                   flush=True)
         from torch.utils.cpp_extension import load
 
-        return load(name="ddtree_qlinear", sources=[str(source)], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
+        return load(name="ddtree_qlinear", sources=[str(s) for s in sources], build_directory=str(build),
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
+                    extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - compiler, loader and file-system failures come in many types
         raise ConfigError(f"cannot build the CPU matmul kernel in {build} ({type(e).__name__}: {str(e)[-400:]}); "
                           "it needs g++, ninja (apt-get install g++ ninja-build, or pip install ninja) and a "

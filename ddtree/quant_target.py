@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_stack
 from .config import ConfigError
 from .qlinear import KINDS, QLinear, QWeight
 
@@ -76,6 +77,7 @@ def quantize_target(target, gguf_path: Path):
         target.head_t = None
         kinds.add(head.kind)
     target.quant = "gguf " + "/".join(sorted(kinds)) if kinds else None
+    target.stack = cpu_stack.build(target.cfg, target.model.layers)
     return target
 
 

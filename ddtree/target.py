@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import cpu_stack
 from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
@@ -59,6 +60,7 @@ class TargetModel(nn.Module):
         self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
         self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
         self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
+        self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
 
     @property
     def fused(self) -> bool:
@@ -73,10 +75,11 @@ class TargetModel(nn.Module):
             raise ConfigError("a quantized target (quant='gguf') has no float layout to switch to; load it without quant")
         if on:
             self.head_t = fuse_model(self, self.model.layers, self.lm_head)
+            self.stack = cpu_stack.build(self.cfg, self.model.layers)
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
-            self.head_t = None
+            self.head_t = self.stack = None
         return self
 
     def _apply(self, fn, *args, **kwargs):
@@ -125,17 +128,26 @@ class TargetModel(nn.Module):
         backend = self.attention_backend
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
+        if cpu_stack.usable(self.stack, h.shape[0], backend, vis):  # all layers in one C++ call
+            h, features = self.stack.forward(h, cos, sin, cache.k, cache.v, cache.length, vis.ancestors,
+                                             list(tap_layers))
+        else:
+            h, features = self._layers(h, cos, sin, cache, vis, tap_layers)
+        if last_only:
+            h = h[-1:]
+        hidden = self.model.norm(h)
+        logits = RowLogits(self, hidden) if row_logits else self.logits(hidden)
+        return TargetOutput(logits, features if tap_layers else None)
+
+    def _layers(self, h, cos, sin, cache: KVCache, vis: Visibility, tap_layers) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The eager layers (the reference): h [N, H] -> (h, tap features [N, len(tap_layers) * H] or None)."""
+        backend = self.attention_backend
         taps = []
         for i, layer in enumerate(self.model.layers):
             # the new rows' K/V go to the cache; the queries see the cached past + the new rows (vis)
             h = layer(h, cos, sin, lambda q, k, v, i=i: attend(q, *cache.write(i, k, v), vis, backend))
             if i in tap_layers:
                 taps.append(h)
-        if last_only:
-            h = h[-1:]
-        hidden = self.model.norm(h)
-        logits = RowLogits(self, hidden) if row_logits else self.logits(hidden)
         # Tap order follows tap_layers (the drafter's target_layer_ids order).
         by_layer = dict(zip(sorted(tap_layers), taps))
-        features = torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None
-        return TargetOutput(logits, features)
+        return h, torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None

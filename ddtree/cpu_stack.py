@@ -1,0 +1,87 @@
+"""The target's decoder layers as one C++ call per pass on float32 CPUs (ddtree/kernels/decoder.cpp).
+
+Why: on a CPU a SmolLM2-135M plain step is ~55 ms, and ~15 ms of it were the ~20 small torch ops per layer
+(norms, RoPE, cache writes, SDPA setup, SiLU, residuals), each costing more in dispatch than in arithmetic. The
+stack does the same computation per layer in C++ and calls the same matmuls: torch's GEMV for one row, the
+row-invariant kernel (ddtree/kernels/qlinear.cpp) for 2-64 rows, the GGUF kernels for a quantized target. The
+eager layers (ddtree.layers) stay the reference: DDTREE_CPU_KERNEL=0 runs them, and wider passes (a prompt's
+prefill) and anything the stack does not cover use them too.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import qlinear
+from .layers import SKINNY_MAX_ROWS
+
+F32, Q4_1, Q8_0 = 1, 2, 3  # decoder.cpp's Linear kinds
+QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
+MAX_ROWS = SKINNY_MAX_ROWS  # above this (a prefill) torch's cache-blocked GEMM beats the skinny kernel
+
+
+def build(cfg, layers) -> object | None:
+    """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`), or None when
+    it cannot take them: not float32 on a CPU, a shape the C++ does not cover, or no kernel. Fused layers (a
+    target after fuse() or quantize_target()) lend it their weights; separate q/k/v and gate/up projections (the
+    drafter) are concatenated into copies, so such a stack must be rebuilt when the weights change."""
+    params = [p for layer in layers for p in layer.parameters()]
+    if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return None
+    if cfg.hidden_size % 8 or cfg.head_dim % 8 or cfg.head_dim > 512:
+        return None
+    specs = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_weight is not None:
+            qkv, qkv_t, qkv_bias = attn.qkv_weight, attn.qkv_t, attn.qkv_bias
+        else:
+            qkv, qkv_t = _cat(attn.q_proj, attn.k_proj, attn.v_proj), None
+            qkv_bias = None if attn.q_proj.bias is None else _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        if mlp.gate_up_weight is not None:
+            gate_up, gate_up_t = mlp.gate_up_weight, mlp.gate_up_t
+        else:
+            gate_up, gate_up_t = _cat(mlp.gate_proj, mlp.up_proj), None
+        weights = (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight)
+        if not all(_coverable(w) for w in weights):
+            return None
+        specs.append((layer, weights, qkv_t, qkv_bias, gate_up_t))
+    if not qlinear.cpu_kernel_available():
+        return None
+    stack = qlinear.kernel().DecoderStack(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                          cfg.intermediate_size, cfg.rms_norm_eps)
+    for layer, (qkv, o, gate_up, down), qkv_t, qkv_bias, gate_up_t in specs:
+        attn, mlp = layer.self_attn, layer.mlp
+        ids = [_add(stack, qkv, qkv_t, qkv_bias), _add(stack, o, None, attn.o_proj.bias),
+               _add(stack, gate_up, gate_up_t, None), _add(stack, down, None, mlp.down_proj.bias)]
+        norms = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
+        stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *norms,
+                        *ids)
+    return stack
+
+
+def usable(stack, n: int, backend: str, vis) -> bool:
+    """Does this pass (n new rows) take the stack? Not for a prefill, another attention backend, or a
+    windowed past (only drafters have one)."""
+    return stack is not None and 1 <= n <= MAX_ROWS and backend == "sdpa" and vis.past is None
+
+
+def _cat(*linears) -> torch.Tensor:
+    return torch.cat([lin.weight.detach() for lin in linears])
+
+
+def _cat_bias(*linears) -> torch.Tensor:
+    return torch.cat([lin.bias.detach() for lin in linears])
+
+
+def _coverable(weight) -> bool:
+    if isinstance(weight, qlinear.QWeight):
+        return weight.kind in QUANT_KINDS
+    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[1] % 64 == 0)
+
+
+def _add(stack, weight, weight_t, bias) -> int:
+    bias = None if bias is None else bias.detach().contiguous()
+    if isinstance(weight, qlinear.QWeight):
+        return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, weight.m, bias)
+    return stack.add_linear(F32, weight.detach(), None if weight_t is None else weight_t, None, bias)

@@ -1,0 +1,24 @@
+// The CPU extension's entry points shared between its sources (qlinear.cpp: the matmuls; decoder.cpp: whole
+// decoder layers). All take and return contiguous float32 CPU tensors; see each source for layouts and the
+// order of the sums.
+#pragma once
+#include <immintrin.h>
+#include <torch/extension.h>
+
+namespace ddtree {
+
+// The sum of 8 float lanes, always in this order: ((0+4) + (2+6)) + ((1+5) + (3+7)).
+inline float hsum(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w);     // x [M, K] @ w [N, K]^T
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor lanes, torch::Tensor d, torch::Tensor m);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+
+void bind_decoder(pybind11::module& mod);  // decoder.cpp
+
+}  // namespace ddtree

@@ -1,0 +1,306 @@
+// A stack of Llama/Qwen3 decoder layers run in one C++ call per forward pass, for float32 activations on x86 CPUs
+// with AVX2 + FMA. It is ddtree.layers.DecoderLayer.forward (the eager reference) with the attention of
+// ddtree.attention.attend over a KVCache, minus the ~20 small torch ops per layer that each cost more than their
+// arithmetic at 1-64 rows: a 1-token step of SmolLM2-135M spent ~15 of its ~55 ms in them on the AVX2 EPYC.
+//
+// Per layer, for N new rows h [N, H] at cache rows [past, past + N):
+//   x = rmsnorm(h) ; qkv = x W_qkv (+ b) ; per-head q/k rmsnorm (Qwen3) ; RoPE on q and k ; k, v -> cache
+//   attn = softmax(q k^T / sqrt(D), visible keys) v   keys: the whole past, and new row j where ancestors[i, j]
+//   h += attn W_o (+ b) ; x = rmsnorm(h) ; g, u = x W_gate_up ; h += (silu(g) * u) W_down
+// Every elementwise step rounds as the eager ops do (built with -ffp-contract=off: no fused multiply-adds where
+// torch has none); the sums (norms, attention) and exp() differ from torch's in the last bits only. Each row is
+// computed alone, so its result does not depend on N: with a row-invariant matmul a verify row equals a 1-row
+// step.
+#include "cpu_kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace ddtree {
+namespace {
+
+// exp(x) for x in [-87, 88] (Cephes' single-precision polynomial, ~1 ulp); below -87 it returns exp(-87) ~ 1.6e-38.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {  // one lane of exp8, for tails
+  alignas(32) float v[8];
+  _mm256_store_ps(v, exp8(_mm256_set1_ps(x)));
+  return v[0];
+}
+
+// out[j] = w[j] * (x[j] * r), r = 1 / sqrt(mean(x^2) + eps): the eager RMSNorm's order of roundings. n % 8 == 0.
+inline void rmsnorm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 v = _mm256_loadu_ps(x + j);
+    s = _mm256_fmadd_ps(v, v, s);
+  }
+  const float r = 1.f / std::sqrt(hsum(s) / float(n) + eps);
+  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (x[j] * r);
+}
+
+// RoPE, rotate-half layout, in place on one head x [D]: x * cos + rotate_half(x) * sin (two products, one sum).
+inline void rope(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  alignas(32) float t[512];
+  for (int64_t j = 0; j < half; ++j) t[j] = x[j] * cos[j] + (-x[j + half]) * sin[j];
+  for (int64_t j = half; j < d; ++j) t[j] = x[j] * cos[j] + x[j - half] * sin[j];
+  for (int64_t j = 0; j < d; ++j) x[j] = t[j];
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; j += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s);
+  return hsum(s);
+}
+
+struct Linear {
+  enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3 };
+  int kind = 0;
+  torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: lanes, d, m; Q8_0: qs, d
+  torch::Tensor bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y;
+    if (kind == Q4_1) {
+      y = q4_1_linear(x, a, b, c);
+    } else if (kind == Q8_0) {
+      y = q8_0_linear(x, a, b);
+    } else if (x.size(0) > 1) {
+      y = f32_linear(x, a);  // fixed order per output: row-invariant
+    } else {
+      y = b.defined() ? at::mm(x, b) : at::mm(x, a.t());  // one row: torch's GEMV streams the weight fastest
+    }
+    if (bias.defined()) y = y + bias;
+    return y;
+  }
+};
+
+struct Layer {
+  torch::Tensor in_norm, post_norm, q_norm, k_norm;  // q_norm / k_norm undefined without qk-norm
+  Linear qkv, o, gate_up, down;
+};
+
+class Stack {
+ public:
+  Stack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps)
+      : H(hidden), HQ(heads), HKV(kv_heads), D(head_dim), I(intermediate), eps(float(eps)) {
+    TORCH_CHECK(H % 8 == 0 && D % 8 == 0 && D <= 512 && HQ % HKV == 0, "unsupported layer shape");
+  }
+
+  int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> c,
+                     c10::optional<torch::Tensor> bias) {
+    TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::Q8_0, "unknown linear kind ", kind);
+    Linear l;
+    l.kind = int(kind);
+    l.a = a;
+    if (b) l.b = *b;
+    if (c) l.c = *c;
+    if (bias) l.bias = *bias;
+    linears.push_back(l);
+    return int64_t(linears.size()) - 1;
+  }
+
+  void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm, int64_t qkv, int64_t o, int64_t gate_up, int64_t down) {
+    Layer l;
+    l.in_norm = in_norm;
+    l.post_norm = post_norm;
+    if (q_norm) l.q_norm = *q_norm;
+    if (k_norm) l.k_norm = *k_norm;
+    l.qkv = linears.at(qkv);
+    l.o = linears.at(o);
+    l.gate_up = linears.at(gate_up);
+    l.down = linears.at(down);
+    layers.push_back(l);
+  }
+
+  // h [N, H]; cos, sin [N, D]; k_cache, v_cache [layers, HKV, capacity, D]; ancestors bool [N, N] or None (all
+  // new rows visible to each other). Returns the last hidden state [N, H] and the hidden states after the layers
+  // in `taps`, concatenated in that order [N, len(taps) * H] (empty without taps).
+  std::vector<torch::Tensor> forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, int64_t past, c10::optional<torch::Tensor> ancestors,
+                                     std::vector<int64_t> taps) {
+    const int64_t N = h.size(0);
+    const int64_t L = int64_t(layers.size());
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == H && h.scalar_type() == torch::kFloat32 && h.device().is_cpu(),
+                "h must be float32 CPU [N, hidden]");
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({N, D}) && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "cos and sin must be float32 [N, head_dim]");
+    // Any layer and head strides (the batched generator passes one row of its cache as a view); each head's rows
+    // must be contiguous [capacity, head_dim], and K and V laid out alike.
+    for (const auto* c : {&k_cache, &v_cache})
+      TORCH_CHECK(c->dim() == 4 && c->size(0) == L && c->size(1) == HKV && c->size(3) == D && c->stride(3) == 1 &&
+                      c->stride(2) == D && c->strides() == k_cache.strides() && c->sizes() == k_cache.sizes() &&
+                      c->scalar_type() == torch::kFloat32 && c->device().is_cpu(),
+                  "the KV cache must be float32 CPU [layers, kv_heads, capacity, head_dim], rows contiguous");
+    const int64_t cap = k_cache.size(2), layer_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
+    TORCH_CHECK(past >= 0 && past + N <= cap, "KV cache overflow: ", past + N, " rows > capacity ", cap);
+    const bool* anc = nullptr;
+    torch::Tensor anc_t;
+    if (ancestors) {
+      anc_t = ancestors->contiguous();
+      TORCH_CHECK(anc_t.scalar_type() == torch::kBool && anc_t.sizes() == torch::IntArrayRef({N, N}),
+                  "ancestors must be bool [N, N]");
+      anc = anc_t.data_ptr<bool>();
+    }
+    std::vector<int64_t> tap_slot(L, -1);
+    for (size_t t = 0; t < taps.size(); ++t) {
+      TORCH_CHECK(taps[t] >= 0 && taps[t] < L, "tap layer ", taps[t], " outside 0..", L - 1);
+      tap_slot[taps[t]] = int64_t(t);
+    }
+    torch::Tensor tap_out = torch::empty({N, int64_t(taps.size()) * H}, h.options());
+
+    h = h.contiguous().clone();  // updated in place below; the caller's tensor is left alone
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    torch::Tensor x = torch::empty({N, H}, h.options());
+    torch::Tensor attn = torch::empty({N, HQ * D}, h.options());
+    float* hp = h.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    const int64_t QKV = (HQ + 2 * HKV) * D;
+    for (int64_t l = 0; l < L; ++l) {
+      const Layer& ly = layers[l];
+      for (int64_t i = 0; i < N; ++i) rmsnorm(hp + i * H, ly.in_norm.data_ptr<float>(), eps, H, xp + i * H);
+      torch::Tensor qkv = ly.qkv(x);
+      TORCH_CHECK(qkv.size(1) == QKV && qkv.is_contiguous(), "qkv projection has the wrong width");
+      float* q = qkv.data_ptr<float>();
+      float* kc = k_cache.data_ptr<float>() + l * layer_stride;
+      float* vc = v_cache.data_ptr<float>() + l * layer_stride;
+      for (int64_t i = 0; i < N; ++i) {
+        float* row = q + i * QKV;
+        if (ly.q_norm.defined()) {
+          for (int64_t a = 0; a < HQ; ++a) rmsnorm(row + a * D, ly.q_norm.data_ptr<float>(), eps, D, row + a * D);
+          for (int64_t a = HQ; a < HQ + HKV; ++a)
+            rmsnorm(row + a * D, ly.k_norm.data_ptr<float>(), eps, D, row + a * D);
+        }
+        for (int64_t a = 0; a < HQ + HKV; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D,
+                                                    sin.data_ptr<float>() + i * D, D);
+        for (int64_t a = 0; a < HKV; ++a) {
+          std::copy(row + (HQ + a) * D, row + (HQ + a + 1) * D, kc + a * head_stride + (past + i) * D);
+          std::copy(row + (HQ + HKV + a) * D, row + (HQ + HKV + a + 1) * D, vc + a * head_stride + (past + i) * D);
+        }
+      }
+      attend(q, QKV, kc, vc, head_stride, past, N, anc, attn.data_ptr<float>());
+      add_(hp, ly.o(attn), N * H);
+      for (int64_t i = 0; i < N; ++i) rmsnorm(hp + i * H, ly.post_norm.data_ptr<float>(), eps, H, xp + i * H);
+      torch::Tensor gu = ly.gate_up(x);
+      torch::Tensor act = torch::empty({N, I}, h.options());
+      swiglu(gu.data_ptr<float>(), N, act.data_ptr<float>());
+      add_(hp, ly.down(act), N * H);
+      if (tap_slot[l] >= 0) {
+        float* dst = tap_out.data_ptr<float>();
+        for (int64_t i = 0; i < N; ++i) std::copy(hp + i * H, hp + (i + 1) * H, dst + (i * taps.size() + tap_slot[l]) * H);
+      }
+    }
+    return {h, tap_out};
+  }
+
+ private:
+  // y += z, elementwise (the eager residual `h + z`).
+  static void add_(float* y, const torch::Tensor& z, int64_t n) {
+    const float* zp = z.data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) y[j] = y[j] + zp[j];
+  }
+
+  // gu [N, 2I] = [gate | up] -> act [N, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+  void swiglu(const float* gu, int64_t N, float* act) const {
+    for (int64_t i = 0; i < N; ++i) {
+      const float* g = gu + i * 2 * I;
+      const float* u = g + I;
+      float* a = act + i * I;
+      int64_t j = 0;
+      for (; j + 8 <= I; j += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+        _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+      }
+      for (; j < I; ++j) a[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
+    }
+  }
+
+  // One query row per (head, row): scores over the visible keys, softmax, weighted sum of values.
+  void attend(const float* qkv, int64_t QKV, const float* kc, const float* vc, int64_t head_stride, int64_t past,
+              int64_t N, const bool* anc, float* out) const {
+    const int64_t group = HQ / HKV, keys = past + N;
+    const float scale = 1.f / std::sqrt(float(D));
+    at::parallel_for(0, HQ * N, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> s(keys + 8);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t a = p / N, i = p % N, kv = a / group;
+        const float* q = qkv + i * QKV + a * D;
+        const float* K = kc + kv * head_stride;
+        const float* V = vc + kv * head_stride;
+        const bool* vis = anc ? anc + i * N : nullptr;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < keys; ++j) {
+          if (j >= past && vis && !vis[j - past]) {
+            s[j] = -INFINITY;
+            continue;
+          }
+          s[j] = dot(q, K + j * D, D) * scale;
+          m = std::max(m, s[j]);
+        }
+        // The sum runs over key slots padded to a multiple of 8, lane j % 8 for key j: masked and padding
+        // slots add +0, so a row's sum has the same order whatever the number of keys in the pass.
+        const int64_t padded = (keys + 7) & ~int64_t(7);
+        for (int64_t j = keys; j < padded; ++j) s[j] = -INFINITY;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {
+          const __m256 sv = _mm256_loadu_ps(s.data() + j);
+          const __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sv, mv)), live);
+          _mm256_storeu_ps(s.data() + j, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        const float sum = hsum(sum8);
+        float* o = out + i * HQ * D + a * D;
+        for (int64_t c = 0; c < D; c += 8) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t j2 = 0; j2 < keys; ++j2)
+            if (s[j2] != 0.f) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j2]), _mm256_loadu_ps(V + j2 * D + c), acc);
+          _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+        }
+      }
+    });
+  }
+
+  int64_t H, HQ, HKV, D, I;
+  float eps;
+  std::vector<Linear> linears;
+  std::vector<Layer> layers;
+};
+
+}  // namespace
+
+void bind_decoder(pybind11::module& mod) {
+  pybind11::class_<Stack>(mod, "DecoderStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
+           "intermediate, rms_norm_eps")
+      .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0), tensors, bias -> its index")
+      .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
+      .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]");
+}
+
+}  // namespace ddtree

@@ -1,0 +1,173 @@
+"""The target's layers as one C++ call (ddtree/cpu_stack.py, ddtree/kernels/decoder.cpp) against the eager layers
+(the reference): the same pass within float32 rounding, the same tokens for every method, rows that do not
+depend on the width of the pass, and the cases it must leave to the eager path."""
+import random
+
+import pytest
+import torch
+
+from conftest import run
+from ddtree import cpu_stack
+from ddtree.attention import Visibility
+from ddtree.testing import random_pair, random_target
+
+ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k norms
+
+
+def tree_visibility(past: int, n: int) -> Visibility:
+    """A small tree: every node sees the root and itself, plus a few deeper ancestor links."""
+    anc = torch.eye(n, dtype=torch.bool)
+    anc[:, 0] = True
+    for child, parent in ((3, 1), (4, 3), (5, 2), (n - 1, n - 2)):
+        if child < n and parent < child:
+            anc[child] |= anc[parent]
+    return Visibility(past, anc)
+
+
+def prefilled(target, prompt_len: int = 21, seed: int = 0):
+    cache = target.new_cache(128)
+    ids = torch.randint(0, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    target(ids, torch.arange(prompt_len), cache, Visibility.causal(0, prompt_len, "cpu"))  # eager: > 64 rows? no
+    cache.commit(prompt_len)
+    return cache
+
+
+def both_paths(target, cache, tokens, vis, taps=(1, 4)):
+    """The pass through the stack and through the eager layers, from the same cache state."""
+    n, past = tokens.numel(), cache.length
+    positions = torch.arange(past, past + n)
+    fast = target(tokens, positions, cache, vis, tap_layers=taps)
+    k_fast = cache.k[:, :, past:past + n].clone()
+    v_fast = cache.v[:, :, past:past + n].clone()
+    stack, target.stack = target.stack, None
+    try:
+        ref = target(tokens, positions, cache, vis, tap_layers=taps)
+    finally:
+        target.stack = stack
+    return fast, ref, (k_fast, cache.k[:, :, past:past + n]), (v_fast, cache.v[:, :, past:past + n])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shape", ["one", "chain", "tree", "block"])
+def test_stack_pass_matches_eager(arch, shape):
+    target = random_target(arch, seed=5, init_scale=0.25)
+    assert target.stack is not None, "a float32 CPU target gets the C++ stack"
+    cache = prefilled(target)
+    n = {"one": 1, "chain": 7, "tree": 9, "block": 8}[shape]
+    vis = {"one": Visibility(cache.length, None), "chain": Visibility.causal(cache.length, n, "cpu"),
+           "tree": tree_visibility(cache.length, n), "block": Visibility(cache.length, None)}[shape]
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1))
+    fast, ref, (k1, k2), (v1, v2) = both_paths(target, cache, tokens, vis, taps=(4, 1))
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(fast.taps, ref.taps, rtol=1e-4, atol=1e-4)  # in tap_layers order (4, then 1)
+    torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stack_rows_do_not_depend_on_the_pass_width(arch):
+    """2-64-row passes use the row-invariant matmul and compute each row alone: the first rows of a longer chain
+    are bit-identical to a shorter chain over the same tokens."""
+    target = random_target(arch, seed=2, init_scale=0.25)
+    cache = prefilled(target)
+    tokens = torch.randint(0, target.cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(4))
+    past = cache.length
+    long = target(tokens, torch.arange(past, past + 12), cache, Visibility.causal(past, 12, "cpu"), tap_layers=(2,))
+    short = target(tokens[:5], torch.arange(past, past + 5), cache, Visibility.causal(past, 5, "cpu"), tap_layers=(2,))
+    assert torch.equal(long.taps[:5], short.taps)
+    assert torch.equal(long.logits[:5], short.logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_stack_tokens_equal_eager_tokens(arch):
+    """ar, dflash and ddtree decode the same tokens with the stack as with the eager layers (fp32)."""
+    fast = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25)
+    ref = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25)
+    ref[0].stack = None
+    assert fast[0].stack is not None
+    rng = random.Random(3)
+    for _ in range(4):
+        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
+        for method in ("ar", "dflash", "ddtree"):
+            a, _ = run(*fast, prompt, method, budget=16, max_new_tokens=24)
+            b, _ = run(*ref, prompt, method, budget=16, max_new_tokens=24)
+            assert a == b, f"{method} differs between the C++ stack and the eager layers"
+
+
+def test_stack_is_left_out_where_it_does_not_apply(monkeypatch):
+    assert random_target("llama", dtype=torch.bfloat16).stack is None  # float32 only
+    assert random_target("llama", fused=False).stack is None  # the reference layout stays eager
+    assert random_target("llama", hidden_size=48, num_heads=3, num_kv_heads=1).stack is None  # K % 64 != 0: no row kernel
+    target = random_target("llama")
+    assert target.fuse(False).stack is None and target.fuse().stack is not None
+    monkeypatch.setattr(cpu_stack.qlinear, "cpu_kernel_available", lambda: False)  # DDTREE_CPU_KERNEL=0, no AVX2
+    assert random_target("llama").stack is None
+    vis = Visibility(3, None)
+    assert not cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS + 1, "sdpa", vis)  # a prefill: torch's GEMM
+    assert not cpu_stack.usable(target.stack, 4, "triton", vis)
+    assert not cpu_stack.usable(target.stack, 4, "sdpa", Visibility(3, None, torch.ones(4, 3, dtype=torch.bool)))
+    assert cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS, "sdpa", vis)
+
+
+def test_stack_refuses_bad_input_with_a_message():
+    target = random_target("llama")
+    stack, cfg = target.stack, target.cfg
+    h = torch.zeros(2, cfg.hidden_size)
+    cos = sin = torch.zeros(2, cfg.head_dim)
+    cache = target.new_cache(4)
+    with pytest.raises(RuntimeError, match="KV cache overflow"):
+        stack.forward(h, cos, sin, cache.k, cache.v, 3, None, [])
+    with pytest.raises(RuntimeError, match="tap layer 9 outside"):
+        stack.forward(h, cos, sin, cache.k, cache.v, 0, None, [9])
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        stack.forward(h.double(), cos, sin, cache.k, cache.v, 0, None, [])
+    with pytest.raises(RuntimeError, match="ancestors must be bool"):
+        stack.forward(h, cos, sin, cache.k, cache.v, 0, torch.ones(3, 3, dtype=torch.bool), [])
+    assert cache.length == 0
+
+
+def test_quantized_stack_matches_eager_and_its_one_row_steps(tmp_path):
+    """On a quantized target every matmul is row-invariant, 1 row included, so a chain's rows equal 1-row steps
+    bit for bit: dflash and ddtree are then exactly its ar (tests/test_qlinear.py decodes them)."""
+    from test_qlinear import quantized
+
+    target = quantized("qwen3", tmp_path)
+    assert target.stack is not None
+    cache = prefilled(target)
+    past, n = cache.length, 6
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(8))
+    fast, ref, (k1, k2), _ = both_paths(target, cache, tokens, Visibility.causal(past, n, "cpu"))
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+    chain = target(tokens, torch.arange(past, past + n), cache, Visibility.causal(past, n, "cpu"), tap_layers=(3,))
+    for i in range(n):
+        step = target(tokens[i:i + 1], torch.arange(past + i, past + i + 1), cache, Visibility(past + i, None),
+                      tap_layers=(3,))
+        cache.commit(1)
+        assert torch.equal(step.logits[0], chain.logits[i]) and torch.equal(step.taps[0], chain.taps[i])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
+    """The drafter's block pass through the stack equals its eager layers; the stack holds copies of the
+    concatenated q/k/v and gate/up weights, so an in-place change (an optimizer step) must rebuild it."""
+    target, drafter = random_pair(arch, seed=6, num_draft_layers=2, init_scale=0.25)
+    cache = drafter.new_cache(64)
+    drafter.add_context(cache, torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size))
+    bonus = torch.tensor([7])
+
+    def eager():
+        stack = drafter.cpu_stack
+        drafter.cpu_stack = lambda: None
+        try:
+            return drafter.draft(cache, bonus)
+        finally:
+            drafter.cpu_stack = stack
+
+    assert drafter.cpu_stack() is not None
+    torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
+    first = drafter.cpu_stack()
+    with torch.no_grad():
+        drafter.layers[1].mlp.up_proj.weight.mul_(1.5)
+    assert drafter.cpu_stack() is not first
+    torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
