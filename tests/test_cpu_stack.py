@@ -171,3 +171,24 @@ def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
         drafter.layers[1].mlp.up_proj.weight.mul_(1.5)
     assert drafter.cpu_stack() is not first
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
+
+
+def test_float_layers_are_row_invariant_on_two_threads():
+    """With more than one thread a float32 1-row step takes the row kernel too (faster there), so the layers give
+    a verify's rows the bits of 1-row steps (on one thread torch's GEMV is faster for one row and they differ
+    in the last bits)."""
+    target = random_target("qwen3", seed=9, init_scale=0.25)
+    cache = prefilled(target)
+    past, n, last = cache.length, 5, target.cfg.num_layers - 1
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        chain = target(tokens, torch.arange(past, past + n), cache, Visibility.causal(past, n, "cpu"), tap_layers=(last,))
+        for i in range(n):
+            step = target(tokens[i:i + 1], torch.arange(past + i, past + i + 1), cache, Visibility(past + i, None),
+                          tap_layers=(last,))
+            cache.commit(1)
+            assert torch.equal(step.taps[0], chain.taps[i])
+    finally:
+        torch.set_num_threads(threads)

@@ -84,10 +84,12 @@ struct Linear {
       y = q4_1_linear(x, a, b, c);
     } else if (kind == Q8_0) {
       y = q8_0_linear(x, a, b);
-    } else if (x.size(0) > 1) {
+    } else if (x.size(0) > 1 || at::get_num_threads() > 1) {
       y = f32_linear(x, a);  // fixed order per output: row-invariant
     } else {
-      y = b.defined() ? at::mm(x, b) : at::mm(x, a.t());  // one row: torch's GEMV streams the weight fastest
+      // One row on one thread: torch's GEMV over the transposed copy streams the weight ~10% faster (SmolLM2's
+      // layers 32 against 35 ms on the AVX2 EPYC); on two threads the kernel is faster (25 against 31 ms).
+      y = b.defined() ? at::mm(x, b) : at::mm(x, a.t());
     }
     if (bias.defined()) y = y + bias;
     return y;
