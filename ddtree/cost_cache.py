@@ -25,7 +25,8 @@ import torch
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
-FORMAT = 1  # bump when calibrate() measures differently: older files then miss
+FORMAT = 2  # bump when calibrate() measures differently or the passes change: older files then miss
+# 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 
@@ -55,7 +56,8 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                 drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
                          len(drafter.cfg.target_layer_ids)],
                 block_size=block_size, max_nodes=max_nodes,
-                **({"quant": target.quant} if getattr(target, "quant", None) else {}))  # quant="gguf": other costs
+                **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
+                **({"cpu_layers": True} if getattr(target, "stack", None) is not None else {}))  # cpu_stack.py
 
 
 def costs_dir() -> Path:

@@ -14,7 +14,7 @@ import torch
 from . import qlinear
 from .layers import SKINNY_MAX_ROWS
 
-F32, Q4_1, Q8_0 = 1, 2, 3  # decoder.cpp's Linear kinds
+F32, Q4_1, Q8_0, BF16 = 1, 2, 3, 4  # decoder.cpp's Linear kinds
 QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
 MAX_ROWS = SKINNY_MAX_ROWS  # above this (a prefill) torch's cache-blocked GEMM beats the skinny kernel
 
@@ -23,7 +23,8 @@ def build(cfg, layers) -> object | None:
     """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`), or None when
     it cannot take them: not float32 on a CPU, a shape the C++ does not cover, or no kernel. Fused layers (a
     target after fuse() or quantize_target()) lend it their weights; separate q/k/v and gate/up projections (the
-    drafter) are concatenated into copies, so such a stack must be rebuilt when the weights change."""
+    drafter) are concatenated into copies (bfloat16 ones where that is exact), so such a stack must be rebuilt
+    when the weights change."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -41,7 +42,10 @@ def build(cfg, layers) -> object | None:
             gate_up, gate_up_t = mlp.gate_up_weight, mlp.gate_up_t
         else:
             gate_up, gate_up_t = _cat(mlp.gate_proj, mlp.up_proj), None
-        weights = (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight)
+        o, down = attn.o_proj.weight, mlp.down_proj.weight
+        if attn.qkv_weight is None:  # copies anyway: as bfloat16 where that is exact (half the bytes to stream)
+            qkv, o, gate_up, down = (bf16_if_exact(w) for w in (qkv, o, gate_up, down))
+        weights = (qkv, o, gate_up, down)
         if not all(_coverable(w) for w in weights):
             return None
         specs.append((layer, weights, qkv_t, qkv_bias, gate_up_t))
@@ -73,15 +77,27 @@ def _cat_bias(*linears) -> torch.Tensor:
     return torch.cat([lin.bias.detach() for lin in linears])
 
 
+def bf16_if_exact(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight as a bfloat16 copy when every value is a bfloat16 (a drafter published in bf16 and
+    loaded as float32): the kernel widens it back exactly, so the products keep their bits. Else the weight."""
+    w = weight.detach()
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 64:
+        return w
+    half = w.to(torch.bfloat16)
+    return half if torch.equal(half.float(), w) else w
+
+
 def _coverable(weight) -> bool:
     if isinstance(weight, qlinear.QWeight):
         return weight.kind in QUANT_KINDS
-    return (isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] % 64 == 0)
+    return (isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 64 == 0)
 
 
 def _add(stack, weight, weight_t, bias) -> int:
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(weight, qlinear.QWeight):
         return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, weight.m, bias)
+    if weight.dtype == torch.bfloat16:
+        return stack.add_linear(BF16, weight, None, None, bias)
     return stack.add_linear(F32, weight.detach(), None if weight_t is None else weight_t, None, bias)

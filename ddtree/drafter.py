@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import cpu_stack
+from . import cpu_stack, qlinear
 from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
@@ -184,7 +184,8 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
-        self._stack = (None, None)  # (weights' identities and versions, the C++ layer stack built from them)
+        # (weights' identities and versions, the C++ layer stack built from them, a bf16 copy of the reduced head)
+        self._stack = (None, None, None)
 
     # --- binding to the target --------------------------------------------------------------------------
     def bind(self, target) -> "DFlashDrafter":
@@ -233,7 +234,8 @@ class DFlashDrafter(nn.Module):
         stack = self.cpu_stack()
         if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
             h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
-            return self.logits(self.norm(h[1:]))
+            hidden, head = self.norm(h[1:]), self._stack[2]
+            return self.logits(hidden) if head is None else qlinear.kernel().bf16_linear(hidden.contiguous(), head)
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             vis = visibility[i]
@@ -243,11 +245,18 @@ class DFlashDrafter(nn.Module):
 
     def cpu_stack(self):
         """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
-        the q/k/v and gate/up weights concatenated, so it is rebuilt whenever a weight changes (an optimizer step
-        in training's evaluation, a load, .to()): the key is every parameter's identity and version counter."""
-        key = tuple((id(p), p._version) for p in self.layers.parameters())
+        the q/k/v and gate/up weights concatenated (bfloat16 where exact, as for a drafter published in bf16), so
+        it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()): the
+        key is every parameter's identity and version counter."""
+        params = [*self.layers.parameters(), *([self.lm_head.weight] if self.cfg.reduced_vocab else [])]
+        key = tuple((id(p), p._version) for p in params)
         if self._stack[0] != key:
-            self._stack = (key, cpu_stack.build(self.cfg.model, self.layers))
+            stack = cpu_stack.build(self.cfg.model, self.layers)
+            head = None  # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes
+            if stack is not None and self.cfg.reduced_vocab:
+                head = cpu_stack.bf16_if_exact(self.lm_head.weight)
+                head = head if head.dtype == torch.bfloat16 else None
+            self._stack = (key, stack, head)
         return self._stack[1]
 
     def _visibility(self, positions: torch.Tensor, past_len: int) -> list[Visibility]:

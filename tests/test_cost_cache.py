@@ -84,3 +84,13 @@ def test_auto_uses_the_cache(folder, counted):
     assert len(counted) == 1
     auto = pair.method("ddtree:auto")
     assert auto.budget == auto.cost.sizes[-1] - 1  # trees the calibration stopped short of are never built
+
+
+def test_the_cpu_layers_have_their_own_curve():
+    """The C++ decoder layers (ddtree/cpu_stack.py) change what a verify costs, and not by one factor: a target
+    with them and one without (eager layers) keep separate curves."""
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    assert target.stack is not None
+    fast = cost_cache.cost_key(target, drafter, 8, 257)
+    target.stack = None
+    assert fast["cpu_layers"] and cost_cache.cost_key(target, drafter, 8, 257) != fast

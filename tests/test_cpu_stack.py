@@ -9,6 +9,7 @@ import torch
 from conftest import run
 from ddtree import cpu_stack
 from ddtree.attention import Visibility
+from ddtree.drafter import untrained_drafter
 from ddtree.testing import random_pair, random_target
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k norms
@@ -192,3 +193,24 @@ def test_float_layers_are_row_invariant_on_two_threads():
             assert torch.equal(step.taps[0], chain.taps[i])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
+    """A drafter whose weights are all bfloat16 values (one published in bf16, loaded as float32) gets bf16
+    copies in its stack and head: the kernel widens them exactly, so the draft logits equal those of float32
+    copies bit for bit."""
+    target = random_target("llama", seed=4, init_scale=0.25)
+    drafter = untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(torch.bfloat16).float())
+    cache = drafter.new_cache(64)
+    drafter.add_context(cache, torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size))
+    bonus = torch.tensor([7])
+    half = drafter.draft(cache, bonus)
+    assert drafter.cpu_stack() is not None and drafter._stack[2].dtype == torch.bfloat16
+    monkeypatch.setattr(cpu_stack, "bf16_if_exact", lambda w: w.detach())
+    drafter._stack = (None, None, None)
+    assert torch.equal(drafter.draft(cache, bonus), half)
+    assert drafter._stack[2] is None

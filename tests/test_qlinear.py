@@ -234,3 +234,16 @@ def test_project_takes_the_kernel_for_skinny_inference_products_only(monkeypatch
     finally:
         monkeypatch.delenv("DDTREE_CPU_KERNEL")
         qlinear.cpu_kernel_available.cache_clear()
+
+
+def test_bf16_kernel_equals_the_float32_kernel_on_the_widened_weights():
+    """bf16_linear widens the weights in registers, exactly, and sums as f32_linear does: same bits, any rows."""
+    from ddtree.qlinear import kernel
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 128, generator=gen).to(torch.bfloat16)
+    for rows in (1, 2, 3, 7, 17):
+        x = torch.randn(rows, 128, generator=gen)
+        assert torch.equal(kernel().bf16_linear(x, w), kernel().f32_linear(x, w.float()))
+    with pytest.raises(RuntimeError, match="bad bf16 weight"):
+        kernel().bf16_linear(torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.bfloat16))
