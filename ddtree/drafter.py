@@ -247,9 +247,9 @@ class DFlashDrafter(nn.Module):
         """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
         the q/k/v and gate/up weights concatenated (bfloat16 where exact, as for a drafter published in bf16), so
         it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()): the
-        key is every parameter's identity and version counter."""
+        key is every parameter's identity, storage and version counter."""
         params = [*self.layers.parameters(), *([self.lm_head.weight] if self.cfg.reduced_vocab else [])]
-        key = tuple((id(p), p._version) for p in params)
+        key = tuple((id(p), p.data_ptr(), p._version) for p in params)
         if self._stack[0] != key:
             stack = cpu_stack.build(self.cfg.model, self.layers)
             head = None  # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes

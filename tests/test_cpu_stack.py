@@ -48,10 +48,12 @@ def both_paths(target, cache, tokens, vis, taps=(1, 4)):
     return fast, ref, (k_fast, cache.k[:, :, past:past + n]), (v_fast, cache.v[:, :, past:past + n])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["llama-biases"])  # llama with attention_bias: q/k/v and o biases
 @pytest.mark.parametrize("shape", ["one", "chain", "tree", "block"])
 def test_stack_pass_matches_eager(arch, shape):
-    target = random_target(arch, seed=5, init_scale=0.25)
+    extra = {"attention_bias": True} if arch == "llama-biases" else {}
+    target = random_target(arch.removesuffix("-biases"), seed=5, init_scale=0.25, **extra)
+    assert extra == {} or target.model.layers[0].self_attn.o_proj.bias is not None
     assert target.stack is not None, "a float32 CPU target gets the C++ stack"
     cache = prefilled(target)
     n = {"one": 1, "chain": 7, "tree": 9, "block": 8}[shape]
