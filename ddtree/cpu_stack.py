@@ -23,8 +23,9 @@ def build(cfg, layers) -> object | None:
     """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`), or None when
     it cannot take them: not float32 on a CPU, a shape the C++ does not cover, or no kernel. Fused layers (a
     target after fuse() or quantize_target()) lend it their weights; separate q/k/v and gate/up projections (the
-    drafter) are concatenated into copies (bfloat16 ones where that is exact), so such a stack must be rebuilt
-    when the weights change."""
+    drafter) are concatenated into copies. Weights whose values are all bfloat16 are copied as bfloat16 (see
+    bf16_if_exact). A stack holding copies must be rebuilt when the weights change (the drafter checks; a
+    target's is rebuilt by fuse())."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -42,10 +43,10 @@ def build(cfg, layers) -> object | None:
             gate_up, gate_up_t = mlp.gate_up_weight, mlp.gate_up_t
         else:
             gate_up, gate_up_t = _cat(mlp.gate_proj, mlp.up_proj), None
-        o, down = attn.o_proj.weight, mlp.down_proj.weight
-        if attn.qkv_weight is None:  # copies anyway: as bfloat16 where that is exact (half the bytes to stream)
-            qkv, o, gate_up, down = (bf16_if_exact(w) for w in (qkv, o, gate_up, down))
-        weights = (qkv, o, gate_up, down)
+        # float32 weights that are all bfloat16 values (a checkpoint published in bf16, run in fp32) stream as bf16
+        # copies, widened exactly in registers: half the bytes, and every row count takes the row kernel
+        weights = tuple(bf16_if_exact(w) if isinstance(w, torch.Tensor) else w
+                        for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight))
         if not all(_coverable(w) for w in weights):
             return None
         specs.append((layer, weights, qkv_t, qkv_bias, gate_up_t))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import cpu_stack
+from . import cpu_stack, qlinear
 from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
@@ -61,6 +61,7 @@ class TargetModel(nn.Module):
         self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
         self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
         self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
+        self.head_bf16: torch.Tensor | None = None  # the LM head as bf16 where its values all are (with the stack)
 
     @property
     def fused(self) -> bool:
@@ -76,10 +77,12 @@ class TargetModel(nn.Module):
         if on:
             self.head_t = fuse_model(self, self.model.layers, self.lm_head)
             self.stack = cpu_stack.build(self.cfg, self.model.layers)
+            head = cpu_stack.bf16_if_exact(self.lm_head.weight) if self.stack is not None else None
+            self.head_bf16 = head if head is not None and head.dtype == torch.bfloat16 else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
-            self.head_t = self.stack = None
+            self.head_t = self.stack = self.head_bf16 = None
         return self
 
     def _apply(self, fn, *args, **kwargs):
@@ -113,6 +116,8 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        if self.head_bf16 is not None and hidden.dim() == 2 and not (torch.is_grad_enabled() and hidden.requires_grad):
+            return qlinear.kernel().bf16_linear(hidden.contiguous(), self.head_bf16)  # same bits, half the bytes
         return project(hidden, self.lm_head.weight, self.head_t)  # head_t: a 1-row fast path (ddtree.fused)
 
     def new_cache(self, capacity: int) -> KVCache:

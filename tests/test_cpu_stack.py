@@ -216,3 +216,32 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     drafter._stack = (None, None, None)
     assert torch.equal(drafter.draft(cache, bonus), half)
     assert drafter._stack[2] is None
+
+
+def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():
+    """A float32 target whose weights are bfloat16 values (a bf16 checkpoint run in fp32) gets bf16 copies, which
+    take the row kernel for one row too: a 1-row step equals the chain's row bit for bit even on one thread, and
+    the pass still matches the eager layers."""
+    target = random_target("llama", seed=8, init_scale=0.25, fused=False)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    target.fuse()
+    cache = prefilled(target)
+    past, n, last = cache.length, 4, target.cfg.num_layers - 1
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(6))
+    fast, ref, _, _ = both_paths(target, cache, tokens, Visibility.causal(past, n, "cpu"))
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        chain = target(tokens, torch.arange(past, past + n), cache, Visibility.causal(past, n, "cpu"), tap_layers=(last,))
+        for i in range(n):
+            step = target(tokens[i:i + 1], torch.arange(past + i, past + i + 1), cache, Visibility(past + i, None),
+                          tap_layers=(last,))
+            cache.commit(1)
+            assert torch.equal(step.taps[0], chain.taps[i])
+            assert torch.equal(step.logits[0], chain.logits[i])  # the LM head as bf16 too (tied: the embedding)
+    finally:
+        torch.set_num_threads(threads)
+    assert target.head_bf16 is not None and random_target("llama", seed=8).head_bf16 is None
