@@ -29,7 +29,7 @@ def build(cfg, layers) -> object | None:
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
-    if cfg.hidden_size % 8 or cfg.head_dim % 8 or cfg.head_dim > 512:
+    if cfg.hidden_size % 8 or cfg.head_dim % 8 or cfg.head_dim > 512 or not qlinear.cpu_kernel_available():
         return None
     specs = []
     for layer in layers:
@@ -50,8 +50,6 @@ def build(cfg, layers) -> object | None:
         if not all(_coverable(w) for w in weights):
             return None
         specs.append((layer, weights, qkv_t, qkv_bias, gate_up_t))
-    if not qlinear.cpu_kernel_available():
-        return None
     stack = qlinear.kernel().DecoderStack(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           cfg.intermediate_size, cfg.rms_norm_eps)
     for layer, (qkv, o, gate_up, down), qkv_t, qkv_bias, gate_up_t in specs:
@@ -78,14 +76,23 @@ def _cat_bias(*linears) -> torch.Tensor:
     return torch.cat([lin.bias.detach() for lin in linears])
 
 
-def bf16_if_exact(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight as a bfloat16 copy when every value is a bfloat16 (a drafter published in bf16 and
-    loaded as float32): the kernel widens it back exactly, so the products keep their bits. Else the weight."""
+def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of a float32 weight [N, K] (K % 64 == 0) whose values are all bfloat16 (a model published
+    in bf16 and loaded as float32): the kernel widens it back exactly, so the products keep their bits. None for
+    any other weight; the first row decides most of those without converting the rest."""
     w = weight.detach()
-    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 64:
-        return w
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 64 or w.shape[0] == 0:
+        return None
+    if not torch.equal(w[:1].to(torch.bfloat16).float(), w[:1]):
+        return None
     half = w.to(torch.bfloat16)
-    return half if torch.equal(half.float(), w) else w
+    return half if torch.equal(half.float(), w) else None
+
+
+def bf16_if_exact(weight: torch.Tensor) -> torch.Tensor:
+    """bf16_copy(weight) where there is one, else the weight."""
+    half = bf16_copy(weight)
+    return weight.detach() if half is None else half
 
 
 def _coverable(weight) -> bool:

@@ -252,10 +252,8 @@ class DFlashDrafter(nn.Module):
         key = tuple((id(p), p.data_ptr(), p._version) for p in params)
         if self._stack[0] != key:
             stack = cpu_stack.build(self.cfg.model, self.layers)
-            head = None  # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes
-            if stack is not None and self.cfg.reduced_vocab:
-                head = cpu_stack.bf16_if_exact(self.lm_head.weight)
-                head = head if head.dtype == torch.bfloat16 else None
+            # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes
+            head = cpu_stack.bf16_copy(self.lm_head.weight) if stack is not None and self.cfg.reduced_vocab else None
             self._stack = (key, stack, head)
         return self._stack[1]
 

@@ -77,8 +77,7 @@ class TargetModel(nn.Module):
         if on:
             self.head_t = fuse_model(self, self.model.layers, self.lm_head)
             self.stack = cpu_stack.build(self.cfg, self.model.layers)
-            head = cpu_stack.bf16_if_exact(self.lm_head.weight) if self.stack is not None else None
-            self.head_bf16 = head if head is not None and head.dtype == torch.bfloat16 else None
+            self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import types
 
 import pytest
@@ -71,3 +72,15 @@ def run(target, drafter, prompt, method, budget=16, block_size=None, max_new_tok
     dec = Decoder(target, drafter)
     return dec.generate(prompt, make_method(method, budget, block_size, drafter), sampling, max_new_tokens,
                         stop_ids, seed)
+
+
+def assert_same_tokens(pair_a, pair_b, what: str, seed: int, prompts: int = 4) -> None:
+    """ar, dflash and ddtree (budget 16) decode the same tokens on two (target, drafter) pairs, over seeded random
+    prompts: `what` names the difference between the pairs in the failure message."""
+    rng = random.Random(seed)
+    for _ in range(prompts):
+        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
+        for method in ("ar", "dflash", "ddtree"):
+            a, _ = run(*pair_a, prompt, method, budget=16, max_new_tokens=24)
+            b, _ = run(*pair_b, prompt, method, budget=16, max_new_tokens=24)
+            assert a == b, f"{method} differs between {what}"

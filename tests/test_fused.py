@@ -1,11 +1,10 @@
 """The fused inference layout (ddtree/fused.py) against the separate-projection reference: same logits, same
 tokens for every method, an unchanged state dict, and a layout that survives .to()."""
-import random
 
 import pytest
 import torch
 
-from conftest import run
+from conftest import assert_same_tokens
 from ddtree.attention import Visibility
 from ddtree.testing import random_pair, random_target
 
@@ -40,13 +39,7 @@ def test_fused_tokens_equal_reference_tokens(arch):
     """ar, dflash and ddtree decode the same tokens on the fused and the reference layout (fp32)."""
     fused_pair = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25)
     ref_pair = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25, fused=False)
-    rng = random.Random(7)
-    for _ in range(4):
-        prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
-        for method in ("ar", "dflash", "ddtree"):
-            a, _ = run(*fused_pair, prompt, method, budget=16, max_new_tokens=24)
-            b, _ = run(*ref_pair, prompt, method, budget=16, max_new_tokens=24)
-            assert a == b, f"{method} differs between the fused and the reference layout"
+    assert_same_tokens(fused_pair, ref_pair, "the fused and the reference layout", seed=7)
 
 
 def test_fusing_keeps_the_state_dict_and_stores_nothing_twice():

@@ -79,52 +79,39 @@ struct Q8_0 {
   }
 };
 
-// Plain float32 weights [N, K] through the same loops: for skinny products (2-64 rows) this beats torch's GEMM
-// on the AVX2 EPYC, and it gives float targets the same row-order invariance.
-struct F32 {
-  const float* w;  // [N, K]
+// Unquantized weights [N, K] through the same loops, as float32 or as bfloat16 widened in registers (exact: a bf16
+// is the top half of an fp32, so a bf16 product equals the float32 one on the widened weights bit for bit, at half
+// the bytes; for models published in bf16). For skinny products (2-64 rows) this beats torch's GEMM on the AVX2
+// EPYC, and it gives float models the same row-order invariance.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <class E>
+struct Dense {
+  const E* w;  // [N, K]
   int64_t k;
 
   struct Span {
-    const float* p;
+    const E* p;
   };
-  inline void prefetch(int64_t n, int64_t s) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 48), _MM_HINT_T0);
+  inline void prefetch(int64_t n, int64_t s) const {  // the span's 64 weights, one cache line at a time
+    const char* p = reinterpret_cast<const char*>(w + n * k + 64 * s);
+    for (size_t b = 0; b < 64 * sizeof(E); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
   }
   inline Span span(int64_t n, int64_t s) const { return {w + n * k + 64 * s}; }
   template <int G>
-  static inline __m256 w8(const Span& sp) { return _mm256_loadu_ps(sp.p + 8 * G); }
-  const float* rows(int64_t n0) const { return w + n0 * k; }  // already float: no dequantized copy needed
+  static inline __m256 w8(const Span& sp) { return widen8(sp.p + 8 * G); }
 };
+using F32 = Dense<float>;
+using BF16 = Dense<uint16_t>;
 
-// bfloat16 weights [N, K] widened to float32 in registers (exact: a bf16 is the top half of an fp32), so a
-// product equals f32_linear's on the widened weights bit for bit, at half the bytes streamed. For drafters,
-// whose published weights are bf16.
-struct BF16 {
-  const uint16_t* w;  // [N, K]
-  int64_t k;
-
-  struct Span {
-    const uint16_t* p;
-  };
-  inline void prefetch(int64_t n, int64_t s) const {
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + n * k + 64 * s + 32), _MM_HINT_T0);
-  }
-  inline Span span(int64_t n, int64_t s) const { return {w + n * k + 64 * s}; }
-  template <int G>
-  static inline __m256 w8(const Span& sp) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp.p + 8 * G));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-};
-
+// float32 rows need no dequantized copy: the several-row loops read them in place
 template <class Q>
 inline const float* float_rows(const Q&, int64_t) { return nullptr; }
-inline const float* float_rows(const F32& q, int64_t n0) { return q.rows(n0); }
+inline const float* float_rows(const F32& q, int64_t n0) { return q.w + n0 * q.k; }
 
 // One span s of T output rows: M == 1 multiplies into acc[T] directly; otherwise writes the weights to buf.
 template <class Q, int T, int G>
