@@ -311,6 +311,72 @@ def test_resume_matches_uninterrupted_run(tiny_data, tmp_path, distill, vocab):
     assert la == lb  # steps 1-3 from the first run, 4-6 from the resumed one
 
 
+# --- packing: several sequences in one training pass ------------------------------------------------------------
+@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["ce", "distill-vocab"])
+def test_packed_pass_equals_the_sum_of_single_sequence_passes(distill, vocab):
+    from ddtree.train.model import DraftLoss
+
+    target = random_target("llama", seed=11)
+    drafter = _new_drafter(target, vocab)
+    gen = torch.Generator().manual_seed(4)
+    examples = []
+    for length, prompt_len in ((23, 5), (9, 3), (31, 12)):
+        tokens = torch.randint(0, target.cfg.vocab_size, (length,), generator=gen)
+        feats, teacher = target_features(target, tokens, drafter.cfg.target_layer_ids, topk=4)
+        anchors = sample_anchors(prompt_len, length, 6, gen)
+        examples.append((tokens, feats, anchors, teacher if distill else None))
+    loss_model = DraftLoss(drafter, target, distill=distill)
+
+    def loss_and_grads(run):
+        drafter.zero_grad(set_to_none=True)
+        loss, stats = run()
+        loss.backward()
+        return loss.detach(), stats, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    def separate():
+        outs = [loss_model(t, f, a, teacher=tc) for t, f, a, tc in examples]
+        return sum(o[0] for o in outs), {k: sum(o[1][k] for o in outs) for k in outs[0][1]}
+
+    packed_inputs = Trainer._packed(examples)
+    tokens, feats, anchors, teacher, bounds = packed_inputs
+    assert bounds.tolist() == [0, 23, 32, 63] and anchors.numel() == sum(e[2].numel() for e in examples)
+    ref_loss, ref_stats, ref_grads = loss_and_grads(separate)
+    for dense in (False, True):
+        loss, stats, grads = loss_and_grads(
+            lambda: loss_model(tokens, feats, anchors, dense=dense, teacher=teacher, bounds=bounds))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for k in ("w_sum", "correct", "labels"):
+            assert float(stats[k]) == pytest.approx(float(ref_stats[k]), rel=1e-6), k
+        assert len(grads) == len(ref_grads) > 0
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_visibility_stays_inside_each_sequence():
+    starts = torch.tensor([0, 0, 7, 7])
+    mask = visibility_mask(torch.tensor([2, 5, 8, 12]), seq_len=14, block_size=2, starts=starts)
+    ctx = mask[::2, :14]  # one row per anchor
+    assert ctx[0].nonzero().flatten().tolist() == [0, 1]
+    assert ctx[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert ctx[2].nonzero().flatten().tolist() == [7]  # the second sequence starts at 7
+    assert ctx[3].nonzero().flatten().tolist() == [7, 8, 9, 10, 11]
+
+
+def test_packed_training_matches_one_pass_per_sequence(tiny_data, tmp_path):
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:12]
+    kw = dict(val_sequences=0, max_steps=4, seqs_per_step=4, distill=0.5, distill_topk=4)
+    one = Trainer(_config(**kw), target, _new_drafter(target), train, tmp_path / "a")
+    packed = Trainer(_config(pack_tokens=100, **kw), target, _new_drafter(target), train, tmp_path / "b")
+    lengths = [len(s.tokens) for s in train[:4]]
+    assert 1 < len(packed._packs([(torch.zeros(n),) for n in lengths])) < 4  # some passes hold several sequences
+    one.run()
+    packed.run()
+    assert one.label_tokens == packed.label_tokens
+    for (name, p), q in zip(one.drafter.named_parameters(), packed.drafter.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
 # --- the command line ---------------------------------------------------------------------------------------
 def test_cli_generate_fit_resume_export(tmp_path):
     from safetensors.torch import save_file

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -198,7 +198,6 @@ def _warn_ignored(args, state: dict, drafter) -> None:
 def _initial_drafter(args, target, tokenizer, seed: int, vocab=None):
     """A seeded random drafter, or (--init-from) an existing drafter's weights to go on from, e.g. at another
     block size: the weights do not depend on it. vocab: target ids of a reduced draft vocabulary (or None)."""
-    from dataclasses import replace
 
     from ..drafter import DFlashDrafter, untrained_drafter
     from .vocab import with_draft_vocab
@@ -228,6 +227,8 @@ def cmd_fit(args) -> int:
     target, tokenizer, stops, _ = _load_target(args)
     init_distributed(target.device)
     cfg = _train_config(args)
+    if args.pack_tokens is None and target.device.type == "cuda":
+        cfg = replace(cfg, pack_tokens=8192)
     ckpt = out / CHECKPOINT
     if args.resume:
         if not ckpt.is_file():
@@ -340,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--grad-clip", type=float, help="(default 1.0)")
     f.add_argument("--epochs", type=int, help="(default 6)")
     f.add_argument("--seqs-per-step", type=int, help="sequences per process per optimizer step (default 4)")
+    f.add_argument("--pack-tokens", type=cli_int(0), help="a step's sequences share passes of up to this many "
+                   "tokens (default: 8192 on CUDA, where a pass per sequence is launch-bound; 0 on CPU: one each)")
     f.add_argument("--anchors", type=int, help="anchors per sequence, re-drawn each epoch (default 64)")
     f.add_argument("--include-prompt-anchors", action="store_true", default=None,
                    help="also anchor blocks inside the prompt (default: response only, as in decoding)")

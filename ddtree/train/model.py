@@ -7,6 +7,12 @@ For a sequence of T tokens with target tap features F [T, taps*H] and anchors a_
     labels      = tokens a_j+1 .. a_j+B-1 (block position k predicts token a_j+k; the anchor has no loss)
 Exactly what DFlashDrafter.add_context(features[:a]) + draft(bonus=token_a) computes, for every block at once.
 
+Several sequences can share one pass (packing, for GPUs, where a pass per sequence is launch-bound): their
+tokens, features and teacher rows are concatenated, `bounds` [S+1] holds where each sequence starts, anchors are
+in packed coordinates, and a block sees only its own sequence's context, at that sequence's positions. The loss
+is then the SUM over the pack's sequences of each one's weighted mean, so a packed pass computes what the
+sequences' separate passes add up to.
+
 Attention is computed in two parts instead of one [A*B, T + A*B] masked matrix: block rows against the
 context ([A, B, T], masked by t < a_j) and block rows against their own block ([A, B, B], all visible),
 joined in one softmax. `visibility_mask` builds the equivalent dense mask (used by the tests).
@@ -48,18 +54,40 @@ def sample_anchors(prompt_len: int, seq_len: int, max_anchors: int, generator: t
     return pick.sort().values
 
 
-def visibility_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Dense boolean mask [A*B, T + A*B]: query row (j, i) sees context row t iff t < a_j, and block row
-    (j', i') iff j' == j."""
+def spans(anchors: torch.Tensor, seq_len: int, bounds: torch.Tensor | None = None):
+    """Packing bookkeeping. bounds [S+1] (None = one sequence [0, T]). Returns per anchor its sequence index,
+    start and end [A], and per context row its position within its own sequence [T]."""
+    rows = torch.arange(seq_len, device=anchors.device)
+    if bounds is None:
+        zero = torch.zeros_like(anchors)
+        return zero, zero, torch.full_like(anchors, seq_len), rows
+    bounds = bounds.to(anchors.device)
+    seq = torch.searchsorted(bounds[1:], anchors, right=True)
+    row_seq = torch.searchsorted(bounds[1:], rows, right=True)
+    return seq, bounds[seq], bounds[seq + 1], rows - bounds[row_seq]
+
+
+def _context_visible(anchors: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[A, T]: block j sees context row t iff start_j <= t < a_j (its own sequence, before its anchor)."""
+    t = torch.arange(seq_len, device=anchors.device)[None, :]
+    return (t < anchors[:, None]) & (t >= starts[:, None])
+
+
+def visibility_mask(anchors: torch.Tensor, seq_len: int, block_size: int,
+                    starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense boolean mask [A*B, T + A*B]: query row (j, i) sees context row t iff start_j <= t < a_j, and block
+    row (j', i') iff j' == j."""
     a, b = anchors.numel(), block_size
-    ctx = torch.arange(seq_len, device=anchors.device)[None, :] < anchors[:, None]  # [A, T]
+    ctx = _context_visible(anchors, torch.zeros_like(anchors) if starts is None else starts, seq_len)  # [A, T]
     ctx = ctx.repeat_interleave(b, dim=0)  # [A*B, T]
     owner = torch.arange(a, device=anchors.device).repeat_interleave(b)  # [A*B]
     return torch.cat([ctx, owner[:, None] == owner[None, :]], dim=1)
 
 
-def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
-    """tokens [T], anchors [A] -> block tokens [A, B], positions [A, B], labels [A, B-1] (-100 past the end)."""
+def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
+                 ends: torch.Tensor | None = None):
+    """tokens [T], anchors [A] -> block tokens [A, B], positions [A, B] (packed coordinates), labels [A, B-1]
+    (-100 past the end of the anchor's sequence: ends [A], default T)."""
     seq_len = tokens.numel()
     offsets = torch.arange(block_size, device=tokens.device)
     positions = anchors[:, None] + offsets[None, :]  # [A, B]
@@ -67,12 +95,13 @@ def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, m
     block[:, 0] = tokens[anchors]
     target_pos = positions[:, 1:]
     labels = tokens[target_pos.clamp(max=seq_len - 1)]
-    labels = labels.masked_fill(target_pos >= seq_len, -100)  # a block running past the end: no label there
+    end = seq_len if ends is None else ends[:, None]
+    labels = labels.masked_fill(target_pos >= end, -100)  # a block running past the end: no label there
     return block, positions, labels
 
 
-def _attend_split(q, kc, vc, kb, vb, anchors, block_size):
-    """q [Hq, A*B, D]; context kc, vc [Hkv, T, D]; block kb, vb [Hkv, A*B, D]. Returns [Hq, A*B, D]."""
+def _attend_split(q, kc, vc, kb, vb, anchors, starts, block_size):
+    """q [Hq, A*B, D]; context kc, vc [Hkv, T, D]; block kb, vb [Hkv, A*B, D]; starts [A]. Returns [Hq, A*B, D]."""
     hq, n, d = q.shape
     hkv, seq_len, _ = kc.shape
     a, b, g = anchors.numel(), block_size, hq // hkv
@@ -80,7 +109,7 @@ def _attend_split(q, kc, vc, kb, vb, anchors, block_size):
     kb, vb = kb.view(hkv, a, b, d), vb.view(hkv, a, b, d)
     scale = 1.0 / math.sqrt(d)
     s_ctx = torch.einsum("hgabd,htd->hgabt", q, kc) * scale  # [Hkv, g, A, B, T]
-    visible = torch.arange(seq_len, device=q.device)[None, :] < anchors[:, None]  # [A, T]
+    visible = _context_visible(anchors, starts, seq_len)  # [A, T]
     s_ctx = s_ctx.masked_fill(~visible[:, None, :], float("-inf"))
     s_blk = torch.einsum("hgabd,hacd->hgabc", q, kb) * scale  # [Hkv, g, A, B, B]
     p = torch.cat([s_ctx, s_blk], dim=-1).float().softmax(dim=-1).to(q.dtype)
@@ -89,30 +118,33 @@ def _attend_split(q, kc, vc, kb, vb, anchors, block_size):
     return out.reshape(hq, n, d)
 
 
-def _attend_dense(q, kc, vc, kb, vb, anchors, block_size):
+def _attend_dense(q, kc, vc, kb, vb, anchors, starts, block_size):
     """The same attention through SDPA with the dense visibility_mask (the reference for tests)."""
     hq, n, d = q.shape
     hkv = kc.shape[0]
     k, v = torch.cat([kc, kb], dim=1), torch.cat([vc, vb], dim=1)
     k, v = k.repeat_interleave(hq // hkv, dim=0), v.repeat_interleave(hq // hkv, dim=0)
-    mask = visibility_mask(anchors, kc.shape[1], block_size)
+    mask = visibility_mask(anchors, kc.shape[1], block_size, starts)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
 
 
 def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
-                         anchors: torch.Tensor, embed: nn.Module, dense: bool = False) -> torch.Tensor:
-    """features [T, taps*H]; block tokens / positions [A, B]. Returns the final-normed hidden [A, B, H]."""
+                         anchors: torch.Tensor, embed: nn.Module, dense: bool = False,
+                         bounds: torch.Tensor | None = None) -> torch.Tensor:
+    """features [T, taps*H]; block tokens / positions [A, B] (packed coordinates); bounds [S+1] for a pack.
+    Returns the final-normed hidden [A, B, H]."""
     a, b = block.shape
     seq_len = features.shape[0]
+    _, starts, _, ctx_positions = spans(anchors, seq_len, bounds)
     ctx = drafter.hidden_norm(drafter.fc(features))  # [T, H]
-    cos_c, sin_c = drafter.rotary(torch.arange(seq_len, device=ctx.device), ctx.dtype)
+    cos_c, sin_c = drafter.rotary(ctx_positions, ctx.dtype)  # each row at its position in its own sequence
     h = embed(block.reshape(-1)).to(ctx.dtype)  # [A*B, H]
-    cos_b, sin_b = drafter.rotary(positions.reshape(-1), h.dtype)
+    cos_b, sin_b = drafter.rotary((positions - starts[:, None]).reshape(-1), h.dtype)
     attend = _attend_dense if dense else _attend_split
     for layer in drafter.layers:
         kc, vc = layer.self_attn.key_value(ctx, cos_c, sin_c)  # the context's K/V in this layer [Hkv, T, D]
         # block queries [Hq, A*B, D] see the context before their anchor and their own block's K/V
-        h = layer(h, cos_b, sin_b, lambda q, kb, vb, kc=kc, vc=vc: attend(q, kc, vc, kb, vb, anchors, b))
+        h = layer(h, cos_b, sin_b, lambda q, kb, vb, kc=kc, vc=vc: attend(q, kc, vc, kb, vb, anchors, starts, b))
     return drafter.norm(h).view(a, b, -1)
 
 
@@ -152,15 +184,17 @@ class DraftLoss(nn.Module):
         return ids if self.t2d is None else self.t2d[ids]
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, dense: bool = False,
-                teacher: tuple[torch.Tensor, torch.Tensor] | None = None):
+                teacher: tuple[torch.Tensor, torch.Tensor] | None = None, bounds: torch.Tensor | None = None):
         """tokens [T]; features [T, taps*H]; anchors [A]; teacher = (log-probs, ids) [T, K] of the target's
-        top-k next-token distribution after each token (needed when distill > 0). Returns (loss, stats) with
-        stats = weighted-loss sum, weight sum, correct top-1 count and label count (tensors, no grad)."""
+        top-k next-token distribution after each token (needed when distill > 0); bounds [S+1] for a pack of S
+        sequences (default: one). Returns (loss, stats): the loss is the sum over sequences of each one's
+        weighted mean; stats = weighted-loss sum, weight sum, correct top-1 count and label count (no grad)."""
         cfg = self.drafter.cfg
-        block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id)
+        seq, _, ends, _ = spans(anchors, tokens.numel(), bounds)
+        block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id, ends)
         features = features.to(self.drafter.fc.weight.dtype)  # a bf16 target may train an fp32 drafter
         hidden = drafter_block_hidden(self.drafter, features, block, positions, anchors, self.target.model.embed_tokens,
-                                      dense)
+                                      dense, bounds)
         valid = labels >= 0  # [A, B-1]
         label = self._to_draft(labels[valid])  # [n] draft ids, -1 outside the draft vocabulary
         idx = label.clamp(min=0)[:, None]
@@ -176,7 +210,11 @@ class DraftLoss(nn.Module):
         # the LM head and the loss in one chunked pass: the [n_valid, V] logits are never kept
         loss, hit = head_soft_cross_entropy(hidden[:, 1:][valid], self._head(), idx, w, label)
         pw = self.weights[None, :].expand_as(labels)[valid] * (w.sum(dim=-1) > 0)
-        total = (loss * pw).sum() / pw.sum().clamp(min=1e-6)
+        n_seqs = 1 if bounds is None else bounds.numel() - 1
+        owner = seq[:, None].expand_as(labels)[valid]  # [n] the sequence of each label
+        num = torch.zeros(n_seqs, device=loss.device, dtype=loss.dtype).index_add(0, owner, loss * pw)
+        den = torch.zeros(n_seqs, device=loss.device, dtype=pw.dtype).index_add(0, owner, pw)
+        total = (num / den.clamp(min=1e-6)).sum()
         return total, {"ce_sum": (loss * pw).sum().detach(), "w_sum": pw.sum(), "correct": hit.sum(),
                        "labels": valid.sum()}
 

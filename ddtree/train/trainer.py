@@ -28,7 +28,7 @@ from .data import Sequence
 from .model import DraftLoss, sample_anchors, target_features
 
 CHECKPOINT = "checkpoint.pt"
-RUNTIME_FIELDS = ("checkpoint_every", "max_minutes", "max_steps", "eval_every", "eval_prompts",
+RUNTIME_FIELDS = ("pack_tokens", "checkpoint_every", "max_minutes", "max_steps", "eval_every", "eval_prompts",
                   "eval_max_new_tokens", "eval_ddtree_budget", "val_sequences", "feature_cache", "progress")
 
 
@@ -50,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool = False  # autocast; only worth it on GPUs and CPUs with bf16 units
     # runtime (may change on --resume)
+    pack_tokens: int = 0  # > 0: a step's sequences share passes of up to this many tokens (GPUs); 0: one each
     checkpoint_every: int = 100
     max_minutes: float = 110.0
     max_steps: int | None = None  # stop (with a checkpoint) after this global step
@@ -171,9 +172,34 @@ class Trainer:
         feats, teacher = self.features(seq, tokens)
         return tokens, feats, anchors, teacher
 
-    def _forward(self, tokens, feats, anchors, teacher):
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
-            return self.model(tokens, feats, anchors, teacher=teacher)
+    # --- one optimizer step ---------------------------------------------------------------------------------
+    def _packs(self, examples: list) -> list[list]:
+        """The step's examples in passes of at most pack_tokens tokens (a longer sequence alone), in order."""
+        if self.cfg.pack_tokens <= 0:
+            return [[e] for e in examples]
+        packs, size = [], 0
+        for e in examples:
+            if packs and size + e[0].numel() <= self.cfg.pack_tokens:
+                packs[-1].append(e)
+                size += e[0].numel()
+            else:
+                packs.append([e])
+                size = e[0].numel()
+        return packs
+
+    @staticmethod
+    def _packed(pack: list):
+        """Concatenates examples (tokens, feats, anchors, teacher) into one pass; returns them plus bounds [S+1]
+        (None for a single sequence, which keeps the unpacked arithmetic)."""
+        if len(pack) == 1:
+            return (*pack[0], None)
+        lengths = torch.tensor([e[0].numel() for e in pack])
+        bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(pack[0][0].device)
+        tokens = torch.cat([e[0] for e in pack])
+        feats = torch.cat([e[1] for e in pack])
+        anchors = torch.cat([e[2] + bounds[i] for i, e in enumerate(pack)])
+        teacher = None if pack[0][3] is None else tuple(torch.cat([e[3][k] for e in pack]) for k in range(2))
+        return tokens, feats, anchors, teacher, bounds
 
     # --- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -181,19 +207,20 @@ class Trainer:
         self.drafter.train()
         epoch, indices = self._step_sequences(self.step)
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce_sum, w_sum, correct, labels
-        seq_tokens = 0
-        for i, idx in enumerate(indices):
-            seq = self.train_seqs[idx]
-            tokens, feats, anchors, teacher = self._example(
-                seq, ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
-            last = i == len(indices) - 1
+        examples = [self._example(self.train_seqs[idx], ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
+                    for idx in indices]
+        seq_tokens = sum(e[0].numel() for e in examples)
+        packs = self._packs(examples)
+        for i, pack in enumerate(packs):
+            tokens, feats, anchors, teacher, bounds = self._packed(pack)
+            last = i == len(packs) - 1
             ctx = self.model.no_sync() if self.world > 1 and not last else _null()
             with ctx:
-                loss, st = self._forward(tokens, feats, anchors, teacher)
-                (loss / len(indices)).backward()
+                with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
+                    loss, st = self.model(tokens, feats, anchors, teacher=teacher, bounds=bounds)
+                (loss / len(indices)).backward()  # loss sums the pack's per-sequence means
             totals += torch.stack([st["ce_sum"].double(), st["w_sum"].double(), st["correct"].double(),
                                    st["labels"].double()])
-            seq_tokens += tokens.numel()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
