@@ -25,7 +25,7 @@ def tree_visibility(past: int, n: int) -> Visibility:
 
 
 def prefilled(target, prompt_len: int = 21, seed: int = 0):
-    cache = target.new_cache(128)
+    cache = target.new_cache(prompt_len + 80)
     ids = torch.randint(0, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     target(ids, torch.arange(prompt_len), cache, Visibility.causal(0, prompt_len, "cpu"))  # eager: > 64 rows? no
     cache.commit(prompt_len)
@@ -82,6 +82,18 @@ def test_stack_pass_matches_eager(arch, shape):
     torch.testing.assert_close(fast.taps, ref.taps, rtol=1e-4, atol=1e-4)  # in tap_layers order (4, then 1)
     torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])  # SmolLM2's and Qwen3's: full and several 64-column value blocks
+@pytest.mark.parametrize("past", [150, 253])  # key counts off and on the four-key score blocks
+def test_stack_attention_over_a_long_past_matches_eager(head_dim, past):
+    target = random_target("qwen3", seed=6, init_scale=0.25, head_dim=head_dim)
+    cache = prefilled(target, prompt_len=past)
+    for n, vis in ((1, Visibility(past, None)), (9, tree_visibility(past, 9))):
+        tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        fast, ref, _, _ = both_paths(target, cache, tokens, vis)
+        torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(fast.taps, ref.taps, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -257,13 +257,27 @@ class Stack {
         const float* K = kc + kv * head_stride;
         const float* V = vc + kv * head_stride;
         const bool* vis = anc ? anc + i * N : nullptr;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < keys; ++j) {
-          if (j >= past && vis && !vis[j - past]) {
-            s[j] = -INFINITY;
-            continue;
+        // Scores, four keys at a time: four independent FMA chains instead of one (each key's dot keeps its own
+        // order over D, so the values are dot()'s bit for bit). With the value loop below, SmolLM2's attention
+        // over 1,000 keys went from 11.3 to 4.2 ms per row and pass (1 thread, AVX2 EPYC); what is left is mostly
+        // K/V read from L3 once per query head and row.
+        int64_t j = 0;
+        for (; j + 4 <= keys; j += 4) {
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          const float* k0 = K + j * D;
+          for (int64_t c = 0; c < D; c += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + c);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + c), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + c), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + c), a3);
           }
-          s[j] = dot(q, K + j * D, D) * scale;
+          s[j] = hsum(a0) * scale, s[j + 1] = hsum(a1) * scale, s[j + 2] = hsum(a2) * scale, s[j + 3] = hsum(a3) * scale;
+        }
+        for (; j < keys; ++j) s[j] = dot(q, K + j * D, D) * scale;
+        float m = -INFINITY;
+        for (j = 0; j < keys; ++j) {
+          if (j >= past && vis && !vis[j - past]) s[j] = -INFINITY;  // a new row that is not an ancestor
           m = std::max(m, s[j]);
         }
         // The sum runs over key slots padded to a multiple of 8, lane j % 8 for key j: masked and padding
@@ -281,11 +295,24 @@ class Stack {
         }
         const float sum = hsum(sum8);
         float* o = out + i * HQ * D + a * D;
-        for (int64_t c = 0; c < D; c += 8) {
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t j2 = 0; j2 < keys; ++j2)
-            if (s[j2] != 0.f) acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j2]), _mm256_loadu_ps(V + j2 * D + c), acc);
-          _mm256_storeu_ps(o + c, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+        // Weighted values, 64 columns at a time: eight accumulators fed key by key (each column still sums its
+        // keys in order, as one chain per column did, but eight chains run at once and V is read row by row).
+        for (int64_t c0 = 0; c0 < D; c0 += 64) {
+          const int64_t chunks = std::min<int64_t>(64, D - c0) / 8;
+          __m256 acc[8];
+          for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+          for (int64_t j2 = 0; j2 < keys; ++j2) {
+            if (s[j2] == 0.f) continue;
+            const __m256 w = _mm256_set1_ps(s[j2]);
+            const float* v = V + j2 * D + c0;
+            if (chunks == 8) {
+              for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            } else {
+              for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            }
+          }
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm256_storeu_ps(o + c0 + 8 * c, _mm256_div_ps(acc[c], _mm256_set1_ps(sum)));
         }
       }
     });
