@@ -27,7 +27,8 @@ from .loading import cache_root
 
 FORMAT = 3  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
-# 3: the float32 row kernel prefetches over all its sweeps: 5-9-row passes now cost about a 1-row one
+# 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
+#    passes of 2-9 rows got cheaper against a 1-row step
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 

@@ -81,6 +81,17 @@ def kernel():
                           "without it") from e
 
 
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (N % 4 == 0, K % 64 == 0) in the row kernel's packed layout [N / 4, K / 64, 4, 64]:
+    each tile of 4 output rows stored span by span, so that the kernel (f32p_linear) reads it as one sequential
+    stream. The products are f32_linear's, bit for bit."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % 4 or k % 64:
+        raise ValueError(f"pack_rows needs a float32 [N, K] weight with N % 4 == 0 and K % 64 == 0, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    return weight.detach().reshape(n // 4, 4, k // 64, 64).permute(0, 2, 1, 3).contiguous()
+
+
 def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")

@@ -62,6 +62,7 @@ class TargetModel(nn.Module):
         self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
         self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
         self.head_bf16: torch.Tensor | None = None  # the LM head as bf16 where its values all are (with the stack)
+        self._copies_of: tuple[list, tuple] | None = None  # (parameters, their key) when fuse() made copies
 
     @property
     def fused(self) -> bool:
@@ -75,14 +76,26 @@ class TargetModel(nn.Module):
         if self.quant:
             raise ConfigError("a quantized target (quant='gguf') has no float layout to switch to; load it without quant")
         if on:
-            self.head_t = fuse_model(self, self.model.layers, self.lm_head)
-            self.stack = cpu_stack.build(self.cfg, self.model.layers)
-            self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
+            with torch.inference_mode(False):  # copies made during a pass (_follow_weights) stay ordinary tensors
+                self.head_t = fuse_model(self, self.model.layers, self.lm_head)
+                self.stack = cpu_stack.build(self.cfg, self.model.layers)
+                self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
+            copies = self.head_t is not None or self.stack is not None
+            params = list(self.parameters())
+            self._copies_of = (params, _weights_key(params)) if copies else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
-            self.head_t = self.stack = self.head_bf16 = None
+            self.head_t = self.stack = self.head_bf16 = self._copies_of = None
         return self
+
+    def _follow_weights(self) -> None:
+        """fuse() copies weights (transposes for 1-row GEMVs, the stack's packed and bf16 copies). A weight changed
+        in place since (a test's surgery, load_state_dict) would leave 1-row and many-row passes on different
+        values, and the method's tokens no longer plain decoding's: re-make the copies then (~65 us per pass to
+        check 272 SmolLM2 parameters' version counters)."""
+        if self._copies_of is not None and _weights_key(self._copies_of[0]) != self._copies_of[1]:
+            self.fuse()
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .float() / .cuda() copy parameters, which would cut the q/k/v views off the fused weights:
@@ -130,6 +143,7 @@ class TargetModel(nn.Module):
         [cache.length, cache.length + N) without committing them (the caller commits). row_logits: return
         the logits as RowLogits, computed per row when read (see RowLogits)."""
         backend = self.attention_backend
+        self._follow_weights()
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
         if cpu_stack.usable(self.stack, h.shape[0], backend, vis):  # all layers in one C++ call
@@ -155,3 +169,8 @@ class TargetModel(nn.Module):
         # Tap order follows tap_layers (the drafter's target_layer_ids order).
         by_layer = dict(zip(sorted(tap_layers), taps))
         return h, torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None
+
+
+def _weights_key(params: list) -> tuple:
+    """What changes when a parameter is written in place or re-pointed: identity, storage and version counter."""
+    return tuple((id(p), p.data_ptr(), p._version) for p in params)

@@ -243,3 +243,25 @@ def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():
     torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
     assert_steps_equal_chain(target, cache, tokens, threads=1)  # the LM head as bf16 too (tied: the embedding)
     assert target.head_bf16 is not None and random_target("llama", seed=8).head_bf16 is None
+
+
+def test_copies_follow_weights_written_in_place():
+    """The stack's packed copies and the 1-row transposes are re-made when a weight changes in place after
+    loading (fuse()), so 1-row steps and verifies compute the current model: the same as a target fused after
+    the change."""
+    def edit(target):
+        with torch.no_grad():
+            for layer in target.model.layers:
+                layer.mlp.down_proj.weight.mul_(0.5)  # K = 128: its packed copy is a copy
+                layer.mlp.gate_proj.weight.add_(0.01)  # its 1-row transpose is a copy
+    late = random_target("llama", seed=8, init_scale=0.25)
+    edit(late)
+    early = random_target("llama", seed=8, init_scale=0.25, fused=False)
+    edit(early)
+    early.fuse()
+    caches = [prefilled(t) for t in (late, early)]
+    for n, vis in ((1, Visibility(caches[0].length, None)), (5, tree_visibility(caches[0].length, 5))):
+        tokens = torch.randint(0, late.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        positions = torch.arange(caches[0].length, caches[0].length + n)
+        a, b = (t(tokens, positions, c, vis) for t, c in zip((late, early), caches))
+        assert torch.equal(a.logits, b.logits), n

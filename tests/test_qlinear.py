@@ -247,3 +247,27 @@ def test_bf16_kernel_equals_the_float32_kernel_on_the_widened_weights():
         assert torch.equal(kernel().bf16_linear(x, w), kernel().f32_linear(x, w.float()))
     with pytest.raises(RuntimeError, match="bad bf16 weight"):
         kernel().bf16_linear(torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.bfloat16))
+
+
+def test_packed_float32_kernel_equals_the_row_major_one():
+    """f32p_linear reads pack_rows' tile-by-tile layout and sums as f32_linear does: same bits, any rows and
+    threads (the prefetching differs with the rows, the arithmetic does not)."""
+    from ddtree.qlinear import kernel, pack_rows
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 192, generator=gen)
+    packed = pack_rows(w)
+    assert packed.shape == (12, 3, 4, 64) and torch.equal(packed[1, 2, 3], w[4 * 1 + 3, 64 * 2:64 * 3])
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 4, 5, 7, 17):
+                x = torch.randn(rows, 192, generator=gen)
+                assert torch.equal(kernel().f32p_linear(x, packed), kernel().f32_linear(x, w)), (threads, rows)
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="N % 4 == 0 and K % 64 == 0"):
+        pack_rows(torch.zeros(6, 64))
+    with pytest.raises(RuntimeError, match="bad packed weight"):
+        kernel().f32p_linear(torch.randn(1, 64), torch.zeros(2, 4, 64))

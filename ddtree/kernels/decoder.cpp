@@ -73,26 +73,29 @@ inline float dot(const float* a, const float* b, int64_t d) {
 }
 
 struct Linear {
-  enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4 };
+  enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4, F32P = 5 };
   int kind = 0;
   torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: lanes, d, m; Q8_0: qs,
-                          // d; BF16: weight [N, K] in bfloat16
+                          // d; BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows), the
+                          // transpose or undefined, the row-major weight
   torch::Tensor bias;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
+    const bool gemv = x.size(0) == 1 && at::get_num_threads() == 1;
     if (kind == Q4_1) {
       y = q4_1_linear(x, a, b, c);
     } else if (kind == Q8_0) {
       y = q8_0_linear(x, a, b);
     } else if (kind == BF16) {
       y = bf16_linear(x, a);
-    } else if (x.size(0) > 1 || at::get_num_threads() > 1) {
-      y = f32_linear(x, a);  // fixed order per output: row-invariant
-    } else {
+    } else if (gemv) {
       // One row on one thread: torch's GEMV over the transposed copy streams the weight ~10% faster (SmolLM2's
       // layers 32 against 35 ms on the AVX2 EPYC); on two threads the kernel is faster (25 against 31 ms).
-      y = b.defined() ? at::mm(x, b) : at::mm(x, a.t());
+      const torch::Tensor& rows = kind == F32P ? c : a;
+      y = b.defined() ? at::mm(x, b) : at::mm(x, rows.t());
+    } else {
+      y = kind == F32P ? f32p_linear(x, a) : f32_linear(x, a);  // fixed order per output: row-invariant
     }
     if (bias.defined()) y = y + bias;
     return y;
@@ -113,7 +116,7 @@ class Stack {
 
   int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> c,
                      c10::optional<torch::Tensor> bias) {
-    TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::BF16, "unknown linear kind ", kind);
+    TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::F32P, "unknown linear kind ", kind);
     Linear l;
     l.kind = int(kind);
     l.a = a;
@@ -330,7 +333,7 @@ void bind_decoder(pybind11::module& mod) {
   pybind11::class_<Stack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
            "intermediate, rms_norm_eps")
-      .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16), tensors, bias -> its index")
+      .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16, 5 packed f32), tensors, bias -> its index")
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
       .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]");
 }

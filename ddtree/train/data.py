@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from ..config import ConfigError
 from ..files import read_jsonl
