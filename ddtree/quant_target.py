@@ -78,6 +78,7 @@ def quantize_target(target, gguf_path: Path):
         kinds.add(head.kind)
     target.quant = "gguf " + "/".join(sorted(kinds)) if kinds else None
     target.stack = cpu_stack.build(target.cfg, target.model.layers)
+    target._copies_of = None  # the float weights' copies are gone (and that list must not keep them alive)
     return target
 
 
