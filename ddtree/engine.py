@@ -271,7 +271,7 @@ class Decoder:
                 vis = Visibility(start, ancestors)
                 positions = torch.from_numpy(tree.depths).to(device) + start
             with timer("verify"):
-                lazy = {"row_logits": True} if tree.size > 1 and getattr(target, "row_logits", False) else {}
+                lazy = {"row_logits": True} if getattr(target, "lazy_logits", lambda n: False)(tree.size) else {}
                 out = target(tree.tokens, positions, tcache, vis, taps, **lazy)
                 path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
             with timer("commit"):

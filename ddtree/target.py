@@ -27,6 +27,9 @@ class TargetOutput:
     taps: torch.Tensor | None  # [N, len(tap_layers) * hidden]: the drafter's context features
 
 
+ROW_LOGITS_MIN_ROWS = 12  # float32, one thread: from here RowLogits beat all rows at once (lazy_logits)
+
+
 class RowLogits:
     """A verify pass's logits, computed only for the rows asked for: `logits[i:i + 1]` -> [1, V] through the
     1-row LM head, `logits[:]` -> all [N, V]. Why: a tree walk reads the target's choice only at the nodes on
@@ -114,6 +117,17 @@ class TargetModel(nn.Module):
         """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU,
         and a quantized head (ddtree/qlinear.py)."""
         return self.head_t is not None or self.quant is not None and not isinstance(self.lm_head, nn.Linear)
+
+    def lazy_logits(self, rows: int) -> bool:
+        """Should a verify of `rows` nodes return RowLogits? A walk reads ~tau rows (~2), each a 1-row head pass
+        (~4.8 ms for SmolLM2 on the AVX2 EPYC), where all rows at once take the row kernel: on one thread 5 rows
+        7-8.5 ms, 17 rows ~15 ms; on two threads the 1-row GEMV does not go faster while the kernel does (5 rows
+        5-5.8 ms). Measured ddtree tokens/s, all rows against RowLogits: 1 thread +4% at 5 and 9 nodes, -9% at
+        17; 2 threads +18-27% at 5-17 nodes. So float32 targets read rows lazily only on one thread from
+        ROW_LOGITS_MIN_ROWS nodes; a quantized head (compute-bound at several rows) always."""
+        if not self.row_logits or rows < 2:
+            return False
+        return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
 
     @property
     def device(self) -> torch.device:
