@@ -69,6 +69,12 @@ def build(cfg, layers) -> object | None:
     return stack
 
 
+def weights_key(params) -> tuple:
+    """What changes when a parameter is written in place or re-pointed (an optimizer step, load_state_dict, a
+    test's surgery): identity, storage and version counter. A stack holding copies is rebuilt when it changes."""
+    return tuple((id(p), p.data_ptr(), p._version) for p in params)
+
+
 def usable(stack, n: int, backend: str, vis) -> bool:
     """Does this pass (n new rows) take the stack? Not for a prefill, another attention backend, or a
     windowed past (only drafters have one)."""

@@ -249,7 +249,7 @@ class DFlashDrafter(nn.Module):
         it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()): the
         key is every parameter's identity, storage and version counter."""
         params = [*self.layers.parameters(), *([self.lm_head.weight] if self.cfg.reduced_vocab else [])]
-        key = tuple((id(p), p.data_ptr(), p._version) for p in params)
+        key = cpu_stack.weights_key(params)
         if self._stack[0] != key:
             stack = cpu_stack.build(self.cfg.model, self.layers)
             # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes

@@ -85,7 +85,7 @@ class TargetModel(nn.Module):
                 self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
             copies = self.head_t is not None or self.stack is not None
             params = list(self.parameters())
-            self._copies_of = (params, _weights_key(params)) if copies else None
+            self._copies_of = (params, cpu_stack.weights_key(params)) if copies else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
@@ -97,7 +97,7 @@ class TargetModel(nn.Module):
         in place since (a test's surgery, load_state_dict) would leave 1-row and many-row passes on different
         values, and the method's tokens no longer plain decoding's: re-make the copies then (~65 us per pass to
         check 272 SmolLM2 parameters' version counters)."""
-        if self._copies_of is not None and _weights_key(self._copies_of[0]) != self._copies_of[1]:
+        if self._copies_of is not None and cpu_stack.weights_key(self._copies_of[0]) != self._copies_of[1]:
             self.fuse()
 
     def _apply(self, fn, *args, **kwargs):
@@ -183,8 +183,3 @@ class TargetModel(nn.Module):
         # Tap order follows tap_layers (the drafter's target_layer_ids order).
         by_layer = dict(zip(sorted(tap_layers), taps))
         return h, torch.cat([by_layer[l] for l in tap_layers], dim=-1) if tap_layers else None
-
-
-def _weights_key(params: list) -> tuple:
-    """What changes when a parameter is written in place or re-pointed: identity, storage and version counter."""
-    return tuple((id(p), p.data_ptr(), p._version) for p in params)

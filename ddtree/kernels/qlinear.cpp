@@ -134,20 +134,16 @@ struct RowMajor {
 struct Panel {
   inline int64_t operator()(int t, int64_t g) const { return (g >> 3) * (NT * 64) + t * 64 + (g & 7) * 8; }
 };
-template <class Q>
-struct LayoutOf {
-  using type = RowMajor;
-};
-template <>
-struct LayoutOf<Packed> {
-  using type = Panel;
-};
 
 // float32 rows need no dequantized copy: the several-row loops read them in place
 template <class Q>
 inline const float* float_rows(const Q&, int64_t) { return nullptr; }
 inline const float* float_rows(const F32& q, int64_t n0) { return q.w + n0 * q.k; }
 inline const float* float_rows(const Packed& q, int64_t n0) { return q.w + n0 * q.k; }  // the tile, n0 % NT == 0
+// ... and how the several-row loops index them (a dequantized buf is row-major too)
+template <class Q>
+inline RowMajor layout(const Q&, int64_t k) { return {k}; }
+inline Panel layout(const Packed&, int64_t) { return {}; }
 
 // One span s of T output rows: M == 1 multiplies into acc[T] directly; otherwise writes the weights to buf.
 template <class Q, int T, int G>
@@ -210,15 +206,14 @@ void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t 
     return;
   }
   const float* w = float_rows(q, n0);
-  // float32 rows are read in place. Meanwhile the tile PREFETCH_ROWS on is prefetched (in DRAM order the rows are
-  // four short streams, which the hardware prefetchers alone served at ~half the bandwidth), its lines spread
+  const auto off = layout(q, K);
+  // float32 rows are read in place. Meanwhile the tile PREFETCH_ROWS on is prefetched (in DRAM order row-major rows
+  // are four short streams, which the hardware prefetchers alone served at ~half the bandwidth), its lines spread
   // over ALL the sweeps: issued in the first sweep alone, DRAM idled while the later ones ran from L1 (5 rows cost
-  // 1.21x one row; spread, 1.0x).
-  typename LayoutOf<Q>::type off{};
-  if constexpr (std::is_same_v<typename LayoutOf<Q>::type, RowMajor>) off.k = K;
-  // (a packed tile is one stream, which the hardware prefetches while a single sweep reads it: 1-3 rows)
-  const bool own = w == nullptr || (std::is_same_v<Q, Packed> && M <= 3);
-  const char* pf = own ? nullptr : reinterpret_cast<const char*>(w + PREFETCH_ROWS * K);
+  // 1.21x one row; spread, 1.0x). A packed tile is one stream, which the hardware prefetches alone while a single
+  // sweep (1-3 rows) reads it.
+  const bool prefetch_here = w != nullptr && !(std::is_same_v<Q, Packed> && M <= 3);  // (quantized: span_steps does)
+  const char* pf = prefetch_here ? reinterpret_cast<const char*>(w + PREFETCH_ROWS * K) : nullptr;
   if (w == nullptr) {
     for (int64_t s = 0; s < spans; ++s) span_steps<Q, T>(q, n0, s, x, acc, buf, K, eight);
     w = buf;

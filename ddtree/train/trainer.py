@@ -172,7 +172,7 @@ class Trainer:
         feats, teacher = self.features(seq, tokens)
         return tokens, feats, anchors, teacher
 
-    # --- one optimizer step ---------------------------------------------------------------------------------
+    # --- packing a step's sequences into passes -------------------------------------------------------------
     def _packs(self, examples: list) -> list[list]:
         """The step's examples in passes of at most pack_tokens tokens (a longer sequence alone), in order."""
         if self.cfg.pack_tokens <= 0:
