@@ -50,6 +50,8 @@ def test_a_rows_result_does_not_depend_on_the_batch(kind):
     x = torch.randn(17, 640, generator=gen)
     together = q.matmul(x)
     assert torch.equal(together, torch.cat([q.matmul(x[i:i + 1]) for i in range(17)]))
+    for rows in (2, 3, 4, 5):  # the kernel's paths: 1-3 rows in its dequantizing pass, more in sweeps of buf
+        assert torch.equal(q.matmul(x[:rows]), together[:rows]), rows
     assert torch.equal(q.rows(5, 11).matmul(x), together[:, 5:11])
     torch.set_num_threads(2)
     try:

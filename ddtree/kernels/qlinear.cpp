@@ -51,11 +51,11 @@ struct Q4_1 {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes + n * (k / 8) + 8 * s)),
             d + n * (k / QK) + 2 * s, m + n * (k / QK) + 2 * s};
   }
+  // (d * q) + m in one FMA: d * q is exact in fp32 (see the top), so the fused rounding is gguf-py's two-step one
   template <int G>
   static inline __m256 w8(const Span& sp) {
     const __m256i q = _mm256_and_si256(_mm256_srli_epi32(sp.v, 4 * G), _mm256_set1_epi32(0x0F));
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(sp.d + G / 4)),
-                         _mm256_broadcast_ss(sp.m + G / 4));  // (d * q) + m, as gguf-py rounds it
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_broadcast_ss(sp.d + G / 4), _mm256_broadcast_ss(sp.m + G / 4));
   }
 };
 
@@ -145,27 +145,46 @@ template <class Q>
 inline RowMajor layout(const Q&, int64_t k) { return {k}; }
 inline Panel layout(const Packed&, int64_t) { return {}; }
 
-// One span s of T output rows: M == 1 multiplies into acc[T] directly; otherwise writes the weights to buf.
-template <class Q, int T, int G>
-inline void step(const typename Q::Span (&sp)[T], const float* x, __m256 (&acc)[T], float* buf, int64_t K,
+// One span s of T output rows: the weights dequantized in registers are multiplied into acc[R][T] for x rows
+// [0, R), or (R == 0) written to buf [T, K] for the sweeps.
+template <int R>
+constexpr int slots = R > 0 ? R : 1;
+template <class Q, int T, int R, int G>
+inline void step(const typename Q::Span (&sp)[T], const float* x, __m256 (&acc)[slots<R>][T], float* buf, int64_t K,
                  int64_t s) {
-  if (buf == nullptr) {
-    const __m256 xg = _mm256_loadu_ps(x + 64 * s + 8 * G);
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(xg, Q::template w8<G>(sp[t]), acc[t]);
-  } else {
-    for (int t = 0; t < T; ++t) _mm256_storeu_ps(buf + t * K + 64 * s + 8 * G, Q::template w8<G>(sp[t]));
+  __m256 xg[R];
+  for (int r = 0; r < R; ++r) xg[r] = _mm256_loadu_ps(x + r * K + 64 * s + 8 * G);
+  for (int t = 0; t < T; ++t) {
+    const __m256 w = Q::template w8<G>(sp[t]);
+    for (int r = 0; r < R; ++r) acc[r][t] = _mm256_fmadd_ps(xg[r], w, acc[r][t]);
+    if (R == 0) _mm256_storeu_ps(buf + t * K + 64 * s + 8 * G, w);
   }
 }
 
-template <class Q, int T, size_t... G>
-inline void span_steps(const Q& q, int64_t n0, int64_t s, const float* x, __m256 (&acc)[T], float* buf,
+template <class Q, int T, int R, size_t... G>
+inline void span_steps(const Q& q, int64_t n0, int64_t s, const float* x, __m256 (&acc)[slots<R>][T], float* buf,
                        int64_t K, std::index_sequence<G...>) {
   typename Q::Span sp[T];
   for (int t = 0; t < T; ++t) {
     q.prefetch(n0 + t + PREFETCH_ROWS, s);  // rows further on: DRAM streams of 4 rows at once starve otherwise
     sp[t] = q.span(n0 + t, s);
   }
-  (step<Q, T, int(G)>(sp, x, acc, buf, K, s), ...);
+  (step<Q, T, R, int(G)>(sp, x, acc, buf, K, s), ...);
+}
+
+// The pass that reads the weights, dequantizing them in registers: y[r, n0 + t] for x rows [0, R), or (R == 0) the
+// tile dequantized into buf. Up to three rows take this one pass, not a pass that stores plus a sweep (a 30-layer
+// stack read from DRAM, old -> new: Q4_1 2 rows 23.4 -> 16.3 ms, 3 rows 23.7 -> 21.7; 1 row 12-14 ms). More rows
+// are cheaper swept over buf: the pass's FMAs on 3 rows while it also stores made 5 rows 1.09x slower.
+template <class Q, int T, int R>
+inline void dequant_pass(const Q& q, int64_t n0, const float* x, int64_t K, int64_t N, float* y, float* buf) {
+  __m256 acc[slots<R>][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < K / 64; ++s)
+    span_steps<Q, T, R>(q, n0, s, x, acc, buf, K, std::make_index_sequence<8>{});
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) y[r * N + n0 + t] = hsum(acc[r][t]);
 }
 
 // R x rows against T dequantized weight rows buf [T, K]: T * R accumulators (12 of the 16 ymm registers at 4 x 3).
@@ -192,36 +211,31 @@ inline void rows(const float* buf, L off, const float* x, int64_t K, float* y, i
     for (int t = 0; t < T; ++t) y[r * N + t] = hsum(acc[r][t]);
 }
 
-// Outputs [n0, n0 + T) for every x row. M == 1: dequantize in registers. M > 1: dequantize the T weight rows
-// once into buf [T, K] and sweep the x rows three at a time over them.
+// Outputs [n0, n0 + T) for every x row. float32 rows: one row with the weights in registers, more in sweeps of
+// three over the rows in place. Other weights (quantized, bf16): up to three rows in the pass that dequantizes
+// them in registers; more in sweeps of three over the tile that the pass writes to buf [T, K].
 template <class Q, int T>
-void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
-  const int64_t spans = K / 64;
-  const auto eight = std::make_index_sequence<8>{};
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  if (M == 1) {
-    for (int64_t s = 0; s < spans; ++s) span_steps<Q, T>(q, n0, s, x, acc, nullptr, K, eight);
-    for (int t = 0; t < T; ++t) y[n0 + t] = hsum(acc[t]);
-    return;
-  }
+void tile(const Q q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
   const float* w = float_rows(q, n0);
-  const auto off = layout(q, K);
+  if (M == 1) return dequant_pass<Q, T, 1>(q, n0, x, K, N, y, buf);
   // float32 rows are read in place. Meanwhile the tile PREFETCH_ROWS on is prefetched (in DRAM order row-major rows
   // are four short streams, which the hardware prefetchers alone served at ~half the bandwidth), its lines spread
   // over ALL the sweeps: issued in the first sweep alone, DRAM idled while the later ones ran from L1 (5 rows cost
   // 1.21x one row; spread, 1.0x). A packed tile is one stream, which the hardware prefetches alone while a single
-  // sweep (1-3 rows) reads it.
-  const bool prefetch_here = w != nullptr && !(std::is_same_v<Q, Packed> && M <= 3);  // (quantized: span_steps does)
+  // sweep (1-3 rows) reads it. (Other weights: the dequantizing pass prefetches.)
+  const bool prefetch_here = w != nullptr && !(std::is_same_v<Q, Packed> && M <= 3);
   const char* pf = prefetch_here ? reinterpret_cast<const char*>(w + PREFETCH_ROWS * K) : nullptr;
   if (w == nullptr) {
-    for (int64_t s = 0; s < spans; ++s) span_steps<Q, T>(q, n0, s, x, acc, buf, K, eight);
+    if (M == 2) return dequant_pass<Q, T, 2>(q, n0, x, K, N, y, buf);
+    if (M == 3) return dequant_pass<Q, T, 3>(q, n0, x, K, N, y, buf);
+    dequant_pass<Q, T, 0>(q, n0, x, K, N, y, buf);
     w = buf;
   }
+  const auto off = layout(q, K);
+  int64_t r = 0, j = 0;
   const int64_t sweeps = (M + 2) / 3, lines = T * K * int64_t(sizeof(float)) / 64;
   auto part = [&](int64_t j) { return pf == nullptr ? nullptr : pf + 64 * (j * lines / sweeps); };
   auto count = [&](int64_t j) { return (j + 1) * lines / sweeps - j * lines / sweeps; };
-  int64_t r = 0, j = 0;
   for (; r + 3 <= M; r += 3, ++j) rows<T, 3>(w, off, x + r * K, K, y + r * N + n0, N, part(j), count(j));
   if (M - r == 2) {  // one sweep for the last two rows, not two: 5 rows (a `ddtree:4` verify) cost less than 6 again
     rows<T, 2>(w, off, x + r * K, K, y + r * N + n0, N, part(j), count(j));
