@@ -56,9 +56,7 @@ def build(cfg, layers) -> object | None:
         specs.append((layer, weights, qkv_t, qkv_bias, gate_up_t))
     stack = qlinear.kernel().DecoderStack(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           cfg.intermediate_size, cfg.rms_norm_eps)
-    f32_bytes = sum(w.numel() * 4 for _, weights, *_ in specs for w in weights
-                    if isinstance(w, torch.Tensor) and w.dtype == torch.float32)
-    pack = f32_bytes <= PACK_MAX_BYTES
+    pack = packs(layers)
     for layer, (qkv, o, gate_up, down), qkv_t, qkv_bias, gate_up_t in specs:
         attn, mlp = layer.self_attn, layer.mlp
         ids = [_add(stack, qkv, qkv_t, qkv_bias, pack), _add(stack, o, None, attn.o_proj.bias, pack),
@@ -67,6 +65,13 @@ def build(cfg, layers) -> object | None:
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *norms,
                         *ids)
     return stack
+
+
+def packs(layers) -> bool:
+    """Does build() give these layers' float32 weights packed copies (up to PACK_MAX_BYTES in all)? Then the stack
+    runs their 1-row passes too, and the layers' transposed 1-row copies (ddtree.fused) are not needed."""
+    f32_bytes = sum(p.numel() * 4 for layer in layers for p in layer.parameters() if p.dtype == torch.float32)
+    return f32_bytes <= PACK_MAX_BYTES
 
 
 def weights_key(params) -> tuple:
@@ -121,6 +126,6 @@ def _add(stack, weight, weight_t, bias, pack: bool) -> int:
         return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, weight.m, bias)
     if weight.dtype == torch.bfloat16:
         return stack.add_linear(BF16, weight, None, None, bias)
-    if pack and weight.shape[0] % 4 == 0:  # 1-row 1-thread passes keep torch's GEMV (transpose or row-major)
-        return stack.add_linear(F32P, qlinear.pack_rows(weight), weight_t, weight.detach(), bias)
+    if pack and weight.shape[0] % 4 == 0:  # the kernel at every width, one row on one thread included
+        return stack.add_linear(F32P, qlinear.pack_rows(weight), None, None, bias)
     return stack.add_linear(F32, weight.detach(), weight_t, None, bias)

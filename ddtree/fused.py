@@ -12,6 +12,8 @@ layers' weights, cold cache: gate/up [3072, 576] 26 -> 13 ms, qkv [960, 576] 12.
 [49152, 576] 14 -> 6-7 ms; o [576, 576] and down [576, 1536] are as fast or faster with F.linear). So a float32
 CPU target keeps contiguous [in, out] copies of the fused qkv, gate/up and the LM head for one-row passes;
 wider passes (verify, prefill) keep F.linear, which was as fast or faster there (4 rows: 50 against 91 ms).
+Where the C++ layer stack packs the layers' weights (ddtree.cpu_stack.packs), its kernel runs their one-row
+passes as fast or faster, and TargetModel.fuse drops the layers' copies again (only the LM head's stays).
 
 Fusing is for inference only (training keeps separate parameters) and is done after the model has its final
 device and dtype: a later `.to()` would copy the views apart from the fused weights.

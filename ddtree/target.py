@@ -82,6 +82,9 @@ class TargetModel(nn.Module):
             with torch.inference_mode(False):  # copies made during a pass (_follow_weights) stay ordinary tensors
                 self.head_t = fuse_model(self, self.model.layers, self.lm_head)
                 self.stack = cpu_stack.build(self.cfg, self.model.layers)
+                if self.stack is not None and cpu_stack.packs(self.model.layers):
+                    for layer in self.model.layers:  # the stack's packed copies serve 1-row passes: -280 MB (SmolLM2)
+                        layer.self_attn.qkv_t = layer.mlp.gate_up_t = None
                 self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
             copies = self.head_t is not None or self.stack is not None
             params = list(self.parameters())

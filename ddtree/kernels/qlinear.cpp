@@ -217,7 +217,7 @@ inline void rows(const float* buf, L off, const float* x, int64_t K, float* y, i
 template <class Q, int T>
 void tile(const Q q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
   const float* w = float_rows(q, n0);
-  if (M == 1) return dequant_pass<Q, T, 1>(q, n0, x, K, N, y, buf);
+  if (M == 1 && w == nullptr) return dequant_pass<Q, T, 1>(q, n0, x, K, N, y, buf);
   // float32 rows are read in place. Meanwhile the tile PREFETCH_ROWS on is prefetched (in DRAM order row-major rows
   // are four short streams, which the hardware prefetchers alone served at ~half the bandwidth), its lines spread
   // over ALL the sweeps: issued in the first sweep alone, DRAM idled while the later ones ran from L1 (5 rows cost
