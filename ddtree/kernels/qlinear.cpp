@@ -173,9 +173,10 @@ inline void span_steps(const Q& q, int64_t n0, int64_t s, const float* x, __m256
 }
 
 // The pass that reads the weights, dequantizing them in registers: y[r, n0 + t] for x rows [0, R), or (R == 0) the
-// tile dequantized into buf. Up to three rows take this one pass, not a pass that stores plus a sweep (a 30-layer
-// stack read from DRAM, old -> new: Q4_1 2 rows 23.4 -> 16.3 ms, 3 rows 23.7 -> 21.7; 1 row 12-14 ms). More rows
-// are cheaper swept over buf: the pass's FMAs on 3 rows while it also stores made 5 rows 1.09x slower.
+// tile dequantized into buf. Up to three rows take this one pass, not a pass that stores plus a sweep (30 layers'
+// weights from DRAM, 1 thread, old -> new: Q4_1 2 rows 0.67-0.76x the time, 3 rows 0.86-0.98x; Q8_0 0.58-0.80x and
+// 0.69-0.77x). More rows are swept over buf: multiplying two of them in the storing pass as well made 5 rows
+// 0.93-0.98x and 9 rows 1.36x the time (its 1-row tail sweep).
 template <class Q, int T, int R>
 inline void dequant_pass(const Q& q, int64_t n0, const float* x, int64_t K, int64_t N, float* y, float* buf) {
   __m256 acc[slots<R>][T];
@@ -211,11 +212,12 @@ inline void rows(const float* buf, L off, const float* x, int64_t K, float* y, i
     for (int t = 0; t < T; ++t) y[r * N + t] = hsum(acc[r][t]);
 }
 
-// Outputs [n0, n0 + T) for every x row. float32 rows: one row with the weights in registers, more in sweeps of
-// three over the rows in place. Other weights (quantized, bf16): up to three rows in the pass that dequantizes
-// them in registers; more in sweeps of three over the tile that the pass writes to buf [T, K].
+// Outputs [n0, n0 + T) for every x row. float32 rows: sweeps of up to three x rows over the rows in place, one row
+// included (through the span-by-span pass, packed 1-row products took 1.11-1.23x the time). Other weights
+// (quantized, bf16): up to three rows in the pass that dequantizes them in registers; more in sweeps of three over
+// the tile that the pass writes to buf [T, K].
 template <class Q, int T>
-void tile(const Q q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
+void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
   const float* w = float_rows(q, n0);
   if (M == 1 && w == nullptr) return dequant_pass<Q, T, 1>(q, n0, x, K, N, y, buf);
   // float32 rows are read in place. Meanwhile the tile PREFETCH_ROWS on is prefetched (in DRAM order row-major rows
