@@ -75,11 +75,12 @@ def wants_transposed(weight: torch.Tensor, num_params: int) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and num_params <= TRANSPOSED_MAX_PARAMS
 
 
-def fuse_model(model: nn.Module, layers, lm_head: nn.Linear) -> torch.Tensor | None:
+def fuse_model(model: nn.Module, layers, lm_head: nn.Linear, layer_copies: bool = True) -> torch.Tensor | None:
     """Fuse every layer in `layers` of `model`; returns the LM head's contiguous transpose [H, V] when the
-    1-row copies are kept (wants_transposed), else None."""
+    1-row copies are kept (wants_transposed), else None. layer_copies=False: the layers get no 1-row copies
+    (the C++ stack's packed weights serve their 1-row passes), only the LM head may."""
     w = lm_head.weight
     transposed = wants_transposed(w, sum(p.numel() for p in model.parameters()))
     for layer in layers:
-        fuse_layer(layer, transposed)
+        fuse_layer(layer, transposed and layer_copies)
     return w.detach().t().contiguous() if transposed else None

@@ -74,17 +74,20 @@ class TargetModel(nn.Module):
     def fuse(self, on: bool = True) -> "TargetModel":
         """The inference weight layout (ddtree.fused: fused QKV and gate/up, a CPU LM head), or back to the
         separate-projection reference layout with on=False. Call after the final .to(device, dtype)."""
-        from .fused import fuse_model, unfuse_layer
+        from .fused import fuse_layer, fuse_model, unfuse_layer
 
         if self.quant:
             raise ConfigError("a quantized target (quant='gguf') has no float layout to switch to; load it without quant")
         if on:
             with torch.inference_mode(False):  # copies made during a pass (_follow_weights) stay ordinary tensors
-                self.head_t = fuse_model(self, self.model.layers, self.lm_head)
+                # where the stack packs the layers, its packed copies serve their 1-row passes: no transposed
+                # 1-row copies for the layers (-280 MB for SmolLM2), made only if no stack can be built after all
+                packed = cpu_stack.packs(self.model.layers)
+                self.head_t = fuse_model(self, self.model.layers, self.lm_head, layer_copies=not packed)
                 self.stack = cpu_stack.build(self.cfg, self.model.layers)
-                if self.stack is not None and cpu_stack.packs(self.model.layers):
-                    for layer in self.model.layers:  # the stack's packed copies serve 1-row passes: -280 MB (SmolLM2)
-                        layer.self_attn.qkv_t = layer.mlp.gate_up_t = None
+                if packed and self.stack is None and self.head_t is not None:
+                    for layer in self.model.layers:
+                        fuse_layer(layer, transposed=True)
                 self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
             copies = self.head_t is not None or self.stack is not None
             params = list(self.parameters())

@@ -24,6 +24,19 @@ def logits(target, tokens: list[int], extra: list[int]):
     return out.logits
 
 
+def test_layers_get_their_one_row_copies_when_no_stack_can_be_built(monkeypatch):
+    """fuse() skips the layers' transposed copies where the stack's packed weights will serve 1-row passes; if the
+    stack then cannot be built (here: no C++ kernel), the copies are made after all."""
+    from ddtree import qlinear
+
+    monkeypatch.setattr(qlinear, "cpu_kernel_available", lambda: False)
+    fused = random_target("llama", seed=3, init_scale=0.25)
+    ref = random_target("llama", seed=3, init_scale=0.25, fused=False)
+    assert fused.stack is None and cpu_stack.packs(fused.model.layers)
+    assert all(layer.mlp.gate_up_t is not None and layer.self_attn.qkv_t is not None for layer in fused.model.layers)
+    torch.testing.assert_close(logits(fused, [1, 2, 3], [5]), logits(ref, [1, 2, 3], [5]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_forward_matches_reference(arch):
     fused = random_target(arch, seed=3, init_scale=0.25)

@@ -12,7 +12,7 @@ from ddtree.testing import random_pair, random_target
 from ddtree.train.data import GenerationSettings, generate_data, read_sequences
 from ddtree.train.fused_ce import head_cross_entropy
 from ddtree.train.model import (block_inputs, default_gamma, drafter_block_hidden, loss_weights,
-                                sample_anchors, target_features, visibility_mask)
+                                sample_anchors, target_features, target_features_packed, visibility_mask)
 from ddtree.train.prompts import Prompt
 from ddtree.train.trainer import TrainConfig, Trainer, drafter_from_checkpoint, resume_config
 
@@ -352,6 +352,24 @@ def test_packed_pass_equals_the_sum_of_single_sequence_passes(distill, vocab):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("topk", [0, 5])
+def test_packed_target_pass_equals_one_pass_per_sequence(topk):
+    """The target's features (and teacher) for a pack of sequences in one pass, as the GPU trainer computes
+    them, equal each sequence's own pass: positions restart and no sequence sees another."""
+    target = random_target("llama", seed=6)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, target.cfg.vocab_size, (n,), generator=gen) for n in (9, 1, 23, 14)]
+    packed = target_features_packed(target, seqs, (1, 4), topk)
+    for tokens, got in zip(seqs, packed):
+        ref = target_features(target, tokens, (1, 4), topk)
+        if topk:
+            (got, (got_lp, got_ids)), (ref, (ref_lp, ref_ids)) = got, ref
+            torch.testing.assert_close(got_lp, ref_lp, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got_ids, ref_ids)
+        assert got.shape == (tokens.numel(), 2 * target.cfg.hidden_size)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_visibility_stays_inside_each_sequence():
     starts = torch.tensor([0, 0, 7, 7])
     mask = visibility_mask(torch.tensor([2, 5, 8, 12]), seq_len=14, block_size=2, starts=starts)
@@ -415,10 +433,17 @@ def test_cli_generate_fit_resume_export(tmp_path):
     # go on from the exported weights at another block size; the layer count comes with the weights
     init = ["fit", *common, "--data", str(data), "--init-from", str(tmp_path / "exported"), "--block-size", "6",
             "--epochs", "1", "--seqs-per-step", "2", "--anchors", "8", "--max-steps", "1", "--eval-prompts", "0"]
-    assert main(init + ["--out", str(tmp_path / "run6"), "--layers", "3"]) == 2
+    assert main(init + ["--out", str(tmp_path / "run6"), "--layers", "1"]) == 2  # a drafter only grows
+    assert main(init + ["--out", str(tmp_path / "run6"), "--mask-token-id", "7"]) == 2
     assert main(init + ["--out", str(tmp_path / "run6")]) == 0
     tuned = DFlashDrafter.load(tmp_path / "run6" / "drafter")
     assert tuned.cfg.block_size == 6 and tuned.cfg.model.num_layers == 2 and tuned.cfg.mask_token_id == 95
+    # grown: one more layer and one more tap (tests/test_grow.py checks that growing keeps the drafts)
+    assert main(init + ["--out", str(tmp_path / "grown"), "--layers", "3", "--taps", "0,1,3"]) == 0
+    grown = DFlashDrafter.load(tmp_path / "grown" / "drafter")
+    assert grown.cfg.model.num_layers == 3 and list(grown.cfg.target_layer_ids) == [0, 1, 3]
+    with pytest.raises(SystemExit):  # argparse: "expected comma-separated layer numbers"
+        main(["fit", *common, "--data", str(data), "--out", str(tmp_path / "bad"), "--taps", "1,x"])
 
 
 def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):

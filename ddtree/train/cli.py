@@ -187,7 +187,7 @@ def _warn_ignored(args, state: dict, drafter) -> None:
     from .trainer import RUNTIME_FIELDS
 
     saved = dict(state["config"], layers=drafter.cfg.model.num_layers, block_size=drafter.cfg.block_size,
-                 mask_token_id=drafter.cfg.mask_token_id)
+                 mask_token_id=drafter.cfg.mask_token_id, taps=list(drafter.cfg.target_layer_ids))
     ignored = [k for k, v in vars(args).items() if k in saved and k not in RUNTIME_FIELDS and v is not None
                and v != saved[k]]
     if ignored:
@@ -202,20 +202,42 @@ def _initial_drafter(args, target, tokenizer, seed: int, vocab=None):
     from ..drafter import DFlashDrafter, untrained_drafter
     from .vocab import with_draft_vocab
 
+    from .grow import grow_drafter
+
     if args.init_from is None:
         mask = args.mask_token_id if args.mask_token_id is not None else \
             default_mask_token_id(tokenizer, target.cfg.vocab_size)
-        return untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask,
-                                 draft_vocab=vocab)
+        drafter = untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask,
+                                    draft_vocab=vocab)
+        if args.taps:
+            drafter = _with_taps(drafter, args.taps, target, seed)
+        return drafter
     drafter = DFlashDrafter.load(args.init_from, target.dtype, target.device)
-    own = {"layers": drafter.cfg.model.num_layers, "mask_token_id": drafter.cfg.mask_token_id}
-    clash = [k for k in own if getattr(args, k) is not None and getattr(args, k) != own[k]]
-    if clash:
-        raise ConfigError(f"--init-from {args.init_from} fixes {', '.join(clash)}: drop those options")
+    if args.mask_token_id is not None and args.mask_token_id != drafter.cfg.mask_token_id:
+        raise ConfigError(f"--init-from {args.init_from} fixes mask_token_id: drop --mask-token-id")
     if args.block_size:
         drafter.cfg = replace(drafter.cfg, block_size=args.block_size)
-    drafter = drafter.bind(target)
+    drafter = grow_drafter(drafter.bind(target), args.layers, args.taps, seed=seed)
     return drafter if vocab is None else with_draft_vocab(drafter, vocab, target.lm_head.weight)
+
+
+def _tap_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers like 1,10,18,27, got {text!r}")
+
+
+def _with_taps(drafter, taps, target, seed: int):
+    """A random drafter reading `taps` instead of its default tap layers (a fresh fc of the right width)."""
+    from ..drafter import DFlashDrafter
+
+    new = DFlashDrafter(replace(drafter.cfg, target_layer_ids=tuple(taps)), drafter.attention_backend)
+    state = drafter.state_dict()
+    gen = torch.Generator().manual_seed(seed + 1)
+    state["fc.weight"] = (torch.randn(new.fc.weight.shape, generator=gen) * 0.02).to(drafter.fc.weight)
+    new.load_state_dict(state)
+    return new.to(drafter.fc.weight.device).bind(target)
 
 
 def cmd_fit(args) -> int:
@@ -330,8 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     f.add_argument("--layers", type=int, choices=range(1, 6), metavar="{1..5}", help="draft layers (default 1)")
     f.add_argument("--block-size", type=int, help="drafter block size (default 16)")
+    f.add_argument("--taps", type=_tap_list, metavar="I,J,...", help="target tap layers (default: evenly spaced "
+                   "from 1 to L-3, one per draft layer)")
     f.add_argument("--init-from", help="start from this drafter's weights (published format directory) instead of "
-                   "a random init; --block-size may differ from its own")
+                   "a random init; --block-size may differ from its own, and --layers / --taps may add layers and "
+                   "taps: it grows without changing what it computes (ddtree/train/grow.py)")
     f.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token, else an unused special "
                    "token (SmolLM2: 16 <empty_output>)")
     f.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")

@@ -224,13 +224,27 @@ def target_features(target, tokens: torch.Tensor, tap_layers, topk: int = 0):
     """The frozen target's tap features [T, taps*H] for a whole sequence (one causal pass), as an ordinary
     tensor usable in autograd; with topk > 0 also its top-k next-token log-probs and ids [T, K] at every
     position (the distillation teacher): returns (features, (logprobs, ids))."""
-    n = tokens.numel()
-    cache = target.new_cache(n)
-    positions = torch.arange(n, device=tokens.device)
-    out = target(tokens, positions, cache, Visibility.causal(0, n, tokens.device), tuple(tap_layers),
-                 last_only=topk == 0)
+    return target_features_packed(target, [tokens], tap_layers, topk)[0]
+
+
+@torch.no_grad()
+def target_features_packed(target, sequences: list[torch.Tensor], tap_layers, topk: int = 0) -> list:
+    """target_features of several sequences [T_s] in ONE target pass (a pass per sequence is launch-bound on a
+    GPU): concatenated, each at its own positions 0..T_s-1 and seeing only its own earlier tokens (a
+    block-diagonal causal mask). Returns one result per sequence, as target_features gives it."""
+    lengths = [t.numel() for t in sequences]
+    tokens = torch.cat(sequences)
+    n, device = tokens.numel(), tokens.device
+    positions = torch.cat([torch.arange(k, device=device) for k in lengths])
+    if len(sequences) == 1:
+        vis = Visibility.causal(0, n, device)
+    else:
+        owner = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                        torch.tensor(lengths, device=device))
+        vis = Visibility(0, (owner[:, None] == owner[None, :]).tril_())  # [n, n]
+    out = target(tokens, positions, target.new_cache(n), vis, tuple(tap_layers), last_only=topk == 0)
+    taps = out.taps.clone().split(lengths)
     if topk == 0:
-        return out.taps.clone()
-    logp = out.logits.float().log_softmax(dim=-1)
-    top = logp.topk(topk, dim=-1)
-    return out.taps.clone(), (top.values, top.indices)
+        return list(taps)
+    top = out.logits.float().log_softmax(dim=-1).topk(topk, dim=-1)
+    return [(f, (v, i)) for f, v, i in zip(taps, top.values.split(lengths), top.indices.split(lengths))]

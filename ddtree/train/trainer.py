@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..drafter import DFlashDrafter, DrafterConfig
 from .data import Sequence
-from .model import DraftLoss, sample_anchors, target_features
+from .model import DraftLoss, sample_anchors, target_features_packed
 
 CHECKPOINT = "checkpoint.pt"
 RUNTIME_FIELDS = ("pack_tokens", "checkpoint_every", "max_minutes", "max_steps", "eval_every", "eval_prompts",
@@ -87,20 +87,46 @@ class FeatureSource:
 
     def __call__(self, seq: Sequence, tokens: torch.Tensor):
         """Returns (features [T, taps*H], teacher (logprobs, ids) [T, K] or None)."""
-        path = None
-        if self.dir is not None:
-            import hashlib
+        return self.many([(seq, tokens)])[0]
 
-            path = self.dir / (hashlib.sha1(f"{seq.key}:{tokens.tolist()}".encode()).hexdigest()[:20] + ".pt")
-            if path.is_file():
-                saved = torch.load(path)
-                feats, teacher = (saved, None) if torch.is_tensor(saved) else (saved["taps"], saved["teacher"])
-                dev = self.target.device
-                teacher = None if teacher is None else (teacher[0].to(dev).float(), teacher[1].to(dev).long())
-                return feats.to(dev, self.target.dtype), teacher
-        out = target_features(self.target, tokens, self.taps, self.topk)
+    def many(self, items: list, pack_tokens: int = 0) -> list:
+        """__call__ for [(seq, tokens), ...]: the sequences not in the cache go through the target together, in
+        passes of up to pack_tokens tokens (0: a pass each, the CPU default)."""
+        results = [self._load(seq, tokens) for seq, tokens in items]
+        todo = [i for i, r in enumerate(results) if r is None]
+        passes, size = [], 0
+        for i in todo:
+            n = items[i][1].numel()
+            if passes and size + n <= pack_tokens:
+                passes[-1].append(i)
+                size += n
+            else:
+                passes.append([i])
+                size = n
+        for group in passes:
+            outs = target_features_packed(self.target, [items[i][1] for i in group], self.taps, self.topk)
+            for i, out in zip(group, outs):
+                results[i] = self._store(*items[i], out)
+        return results
+
+    def _path(self, seq: Sequence, tokens: torch.Tensor):
+        import hashlib
+
+        return self.dir / (hashlib.sha1(f"{seq.key}:{tokens.tolist()}".encode()).hexdigest()[:20] + ".pt")
+
+    def _load(self, seq: Sequence, tokens: torch.Tensor):
+        if self.dir is None or not (path := self._path(seq, tokens)).is_file():
+            return None
+        saved = torch.load(path)
+        feats, teacher = (saved, None) if torch.is_tensor(saved) else (saved["taps"], saved["teacher"])
+        dev = self.target.device
+        teacher = None if teacher is None else (teacher[0].to(dev).float(), teacher[1].to(dev).long())
+        return feats.to(dev, self.target.dtype), teacher
+
+    def _store(self, seq: Sequence, tokens: torch.Tensor, out):
         feats, teacher = (out, None) if self.topk == 0 else out
-        if path is not None:
+        if self.dir is not None:
+            path = self._path(seq, tokens)
             small = feats.half() if feats.abs().max() < 6e4 else feats.float()
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             if teacher is None:
@@ -164,13 +190,15 @@ class Trainer:
         start = (s * self.world + self.rank) * per
         return epoch, order[start:start + per].tolist()
 
-    def _example(self, seq: Sequence, anchor_seed: int):
-        tokens = torch.tensor(seq.tokens[: self.cfg.max_seq_len], device=self.device)
-        gen = torch.Generator().manual_seed(anchor_seed)
-        anchors = sample_anchors(seq.prompt_len, tokens.numel(), self.cfg.anchors, gen,
-                                 self.cfg.include_prompt_anchors).to(self.device)
-        feats, teacher = self.features(seq, tokens)
-        return tokens, feats, anchors, teacher
+    def _examples(self, seqs: list[Sequence], anchor_seeds: list[int]) -> list:
+        """[(tokens [T], features [T, taps*H], anchors [A], teacher or None)] for these sequences; with
+        pack_tokens the target's passes are packed like the drafter's."""
+        tokens = [torch.tensor(s.tokens[: self.cfg.max_seq_len], device=self.device) for s in seqs]
+        anchors = [sample_anchors(s.prompt_len, t.numel(), self.cfg.anchors, torch.Generator().manual_seed(a),
+                                  self.cfg.include_prompt_anchors).to(self.device)
+                   for s, t, a in zip(seqs, tokens, anchor_seeds)]
+        feats = self.features.many(list(zip(seqs, tokens)), self.cfg.pack_tokens)
+        return [(t, f, a, teacher) for t, a, (f, teacher) in zip(tokens, anchors, feats)]
 
     # --- packing a step's sequences into passes -------------------------------------------------------------
     def _packs(self, examples: list) -> list[list]:
@@ -207,8 +235,8 @@ class Trainer:
         self.drafter.train()
         epoch, indices = self._step_sequences(self.step)
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce_sum, w_sum, correct, labels
-        examples = [self._example(self.train_seqs[idx], ((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62)
-                    for idx in indices]
+        examples = self._examples([self.train_seqs[idx] for idx in indices],
+                                  [((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62 for idx in indices])
         seq_tokens = sum(e[0].numel() for e in examples)
         packs = self._packs(examples)
         for i, pack in enumerate(packs):
@@ -250,7 +278,7 @@ class Trainer:
         if val:
             totals = torch.zeros(4, dtype=torch.float64)
             for i, seq in enumerate(val):
-                tokens, feats, anchors, teacher = self._example(seq, 1_000_003 + i)
+                (tokens, feats, anchors, teacher), = self._examples([seq], [1_000_003 + i])
                 _, st = self.loss_model(tokens, feats, anchors, teacher=teacher)
                 totals += torch.tensor([float(st[k]) for k in ("ce_sum", "w_sum", "correct", "labels")],
                                        dtype=torch.float64)
