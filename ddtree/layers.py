@@ -76,15 +76,18 @@ SKINNY_MAX_ROWS = 64
 
 def project(x: torch.Tensor, weight, weight_t: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [N, in], weight [out, in], bias) -> [N, out]. A single row with weight_t (weight's contiguous
-    transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t: for out > in that GEMV
-    streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC. 2-64 float32 CPU rows go to the CPU
-    kernel (above) where it is available, others to F.linear. A quantized weight (ddtree.qlinear.QWeight, not
-    a tensor) runs its own kernel."""
+    transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t on one thread: for out > in
+    that GEMV streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC. On more threads that row goes
+    to the CPU kernel (above) instead, which splits the rows of the weight over the threads where torch's GEMV
+    does not (SmolLM2's LM head on 2 threads: 4.1 against 5.3 ms). 2-64 float32 CPU rows go to the kernel where it
+    is available, others to F.linear. A quantized weight (ddtree.qlinear.QWeight, not a tensor) runs its own
+    kernel."""
+    rows = x.shape[0]
     if not isinstance(weight, torch.Tensor):
         y = weight.matmul(x)
-    elif weight_t is not None and x.shape[0] == 1:
+    elif weight_t is not None and rows == 1 and torch.get_num_threads() == 1:
         y = x @ weight_t
-    elif 1 < x.shape[0] <= SKINNY_MAX_ROWS and _skinny(x, weight):
+    elif (1 < rows or weight_t is not None) and rows <= SKINNY_MAX_ROWS and _skinny(x, weight):
         y = qlinear.kernel().f32_linear(x.contiguous(), weight)
     else:
         return F.linear(x, weight, bias)

@@ -72,6 +72,23 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return hsum(s);
 }
 
+// The eight sums hsum(a[t]), t = 0..7, as one vector: the same pairings as hsum() (lanes (0+4), (2+6), (1+5),
+// (3+7), then ((0+4) + (2+6)) + ((1+5) + (3+7))), so each lane equals hsum(a[t]) bit for bit, in ~15 instructions
+// instead of ~50.
+inline __m256 hsum8(const __m256* a) {
+  auto halves = [](__m256 x, __m256 y) {  // [x.lo + x.hi | y.lo + y.hi]
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  };
+  const __m256 w04 = halves(a[0], a[4]), w15 = halves(a[1], a[5]), w26 = halves(a[2], a[6]), w37 = halves(a[3], a[7]);
+  // [e0, o0, e1, o1 | e4, o4, e5, o5] with e = (0+4) + (2+6), o = (1+5) + (3+7) of each a[t]
+  const __m256 x0145 = _mm256_add_ps(_mm256_shuffle_ps(w04, w15, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(w04, w15, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 x2367 = _mm256_add_ps(_mm256_shuffle_ps(w26, w37, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(w26, w37, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(x0145, x2367, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(x0145, x2367, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 struct Linear {
   enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4, F32P = 5 };
   int kind = 0;
@@ -246,78 +263,134 @@ class Stack {
     }
   }
 
-  // One query row per (head, row): scores over the visible keys, softmax, weighted sum of values.
+  // Attention of the N new rows, per KV head: its queries are (query head of its group, row) pairs, all reading
+  // the same K and V. They walk the keys in blocks of KEY_BLOCK, so a block is read from L2/L3 once and serves
+  // every query of the task from L1 (one query at a time re-read them ~9.9 ns per head, row and key: L2-bound).
+  // Each (query, key) score and each output column keep their order of sums (a score: dot()'s over D, then
+  // hsum(); a column: the keys in order, the running sum parked in `out` between blocks, which rounds nothing),
+  // so a row's result does not depend on N or on which queries share its task.
+  static constexpr int64_t KEY_BLOCK = 32;
+
   void attend(const float* qkv, int64_t QKV, const float* kc, const float* vc, int64_t head_stride, int64_t past,
               int64_t N, const bool* anc, float* out) const {
-    const int64_t group = HQ / HKV, keys = past + N;
-    const float scale = 1.f / std::sqrt(float(D));
-    at::parallel_for(0, HQ * N, 1, [&](int64_t p0, int64_t p1) {
-      std::vector<float> s(keys + 8);
+    const int64_t group = HQ / HKV, keys = past + N, per_kv = group * N;
+    // Split each KV head's queries so that every thread gets work (one row: 9 heads over 2 threads as 5 + 4).
+    const int64_t splits = std::min(per_kv, (2 * int64_t(at::get_num_threads()) + HKV - 1) / HKV);
+    const int64_t chunk = (per_kv + splits - 1) / splits;
+    const int64_t tasks = HKV * ((per_kv + chunk - 1) / chunk);
+    at::parallel_for(0, tasks, 1, [&](int64_t p0, int64_t p1) {
+      const int64_t padded = (keys + 7) & ~int64_t(7);
+      std::vector<float> scores(chunk * padded);
+      std::vector<float> sums(chunk);
       for (int64_t p = p0; p < p1; ++p) {
-        const int64_t a = p / N, i = p % N, kv = a / group;
-        const float* q = qkv + i * QKV + a * D;
-        const float* K = kc + kv * head_stride;
-        const float* V = vc + kv * head_stride;
-        const bool* vis = anc ? anc + i * N : nullptr;
-        // Scores, four keys at a time: four independent FMA chains instead of one (each key's dot keeps its own
-        // order over D, so the values are dot()'s bit for bit). With the value loop below, SmolLM2's attention
-        // over 1,000 keys went from 11.3 to 4.2 ms per row and pass (1 thread, AVX2 EPYC); what is left is mostly
-        // K/V read from L3 once per query head and row.
-        int64_t j = 0;
-        for (; j + 4 <= keys; j += 4) {
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          const float* k0 = K + j * D;
-          for (int64_t c = 0; c < D; c += 8) {
-            const __m256 qv = _mm256_loadu_ps(q + c);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + c), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + c), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + c), a3);
-          }
-          s[j] = hsum(a0) * scale, s[j + 1] = hsum(a1) * scale, s[j + 2] = hsum(a2) * scale, s[j + 3] = hsum(a3) * scale;
+        const int64_t g = p / (tasks / HKV), t0 = (p % (tasks / HKV)) * chunk;
+        const int64_t count = std::min(chunk, per_kv - t0);  // queries t0 .. t0 + count of this KV head
+        const float* K = kc + g * head_stride;
+        const float* V = vc + g * head_stride;
+        auto query = [&](int64_t t) {  // t = row * group + head in group
+          return qkv + (t0 + t) / group * QKV + (g * group + (t0 + t) % group) * D;
+        };
+        auto output = [&](int64_t t) { return out + (t0 + t) / group * HQ * D + (g * group + (t0 + t) % group) * D; };
+        for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
+          const int64_t e = std::min(keys, b + KEY_BLOCK);
+          for (int64_t t = 0; t < count; ++t) score_block(query(t), K, b, e, scores.data() + t * padded);
         }
-        for (; j < keys; ++j) s[j] = dot(q, K + j * D, D) * scale;
-        float m = -INFINITY;
-        for (j = 0; j < keys; ++j) {
-          if (j >= past && vis && !vis[j - past]) s[j] = -INFINITY;  // a new row that is not an ancestor
-          m = std::max(m, s[j]);
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t i = (t0 + t) / group;
+          sums[t] = softmax_numerators(scores.data() + t * padded, keys, past, anc ? anc + i * N : nullptr);
         }
-        // The sum runs over key slots padded to a multiple of 8, lane j % 8 for key j: masked and padding
-        // slots add +0, so a row's sum has the same order whatever the number of keys in the pass.
-        const int64_t padded = (keys + 7) & ~int64_t(7);
-        for (int64_t j = keys; j < padded; ++j) s[j] = -INFINITY;
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 8) {
-          const __m256 sv = _mm256_loadu_ps(s.data() + j);
-          const __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sv, mv)), live);
-          _mm256_storeu_ps(s.data() + j, e);
-          sum8 = _mm256_add_ps(sum8, e);
+        for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
+          const int64_t e = std::min(keys, b + KEY_BLOCK);
+          for (int64_t t = 0; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, output(t));
         }
-        const float sum = hsum(sum8);
-        float* o = out + i * HQ * D + a * D;
-        // Weighted values, 64 columns at a time: eight accumulators fed key by key (each column still sums its
-        // keys in order, as one chain per column did, but eight chains run at once and V is read row by row).
-        for (int64_t c0 = 0; c0 < D; c0 += 64) {
-          const int64_t chunks = std::min<int64_t>(64, D - c0) / 8;
-          __m256 acc[8];
-          for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-          for (int64_t j2 = 0; j2 < keys; ++j2) {
-            if (s[j2] == 0.f) continue;
-            const __m256 w = _mm256_set1_ps(s[j2]);
-            const float* v = V + j2 * D + c0;
-            if (chunks == 8) {
-              for (int64_t c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
-            } else {
-              for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), acc[c]);
-            }
-          }
-          for (int64_t c = 0; c < chunks; ++c)
-            _mm256_storeu_ps(o + c0 + 8 * c, _mm256_div_ps(acc[c], _mm256_set1_ps(sum)));
+        for (int64_t t = 0; t < count; ++t) {
+          float* o = output(t);
+          for (int64_t c = 0; c < D; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_div_ps(_mm256_loadu_ps(o + c), _mm256_set1_ps(sums[t])));
         }
       }
     });
+  }
+
+  // s[j] = q . K[j] / sqrt(D) for keys j in [b, e): eight keys at a time (eight independent FMA chains), each
+  // summed by hsum8 in hsum()'s order, so the values are dot()'s bit for bit.
+  void score_block(const float* q, const float* K, int64_t b, int64_t e, float* s) const {
+    const float scale = 1.f / std::sqrt(float(D));
+    int64_t j = b;
+    for (; j + 8 <= e; j += 8) {
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      const float* k0 = K + j * D;
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + c);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + t * D + c), acc[t]);
+      }
+      _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+    }
+    for (; j < e; ++j) s[j] = dot(q, K + j * D, D) * scale;
+  }
+
+  // Scores -> exp(s - max) in place over the visible keys (0 elsewhere); returns their sum. vis: the row's
+  // ancestors among the new rows, or null (all visible). The sum runs over key slots padded to a multiple of 8,
+  // lane j % 8 for key j: masked and padding slots add +0, so a row's sum has one order whatever the pass's width.
+  static float softmax_numerators(float* s, int64_t keys, int64_t past, const bool* vis) {
+    // The maximum (exact in any order): the past eight lanes at a time, then the new rows with their mask.
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= past; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m8);
+    float m = -INFINITY;
+    for (float x : lanes) m = std::max(m, x);
+    for (; j < keys; ++j) {
+      if (j >= past && vis && !vis[j - past]) s[j] = -INFINITY;  // a new row that is not an ancestor
+      m = std::max(m, s[j]);
+    }
+    const int64_t padded = (keys + 7) & ~int64_t(7);
+    for (j = keys; j < padded; ++j) s[j] = -INFINITY;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum8 = _mm256_setzero_ps();
+    for (j = 0; j < padded; j += 8) {
+      const __m256 sv = _mm256_loadu_ps(s + j);
+      const __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m256 ev = _mm256_and_ps(exp8(_mm256_sub_ps(sv, mv)), live);
+      _mm256_storeu_ps(s + j, ev);
+      sum8 = _mm256_add_ps(sum8, ev);
+    }
+    return hsum(sum8);
+  }
+
+  // o[:D] += sum over keys j in [b, e) of w[j] V[j] (o zeroed at b == 0), 64 columns at a time: each column
+  // sums its keys in order; masked keys (w == 0) are skipped.
+  void weigh_values(const float* w, const float* V, int64_t b, int64_t e, float* o) const {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) weigh_columns<8>(w, V + c0, D, b, e, o + c0);
+    switch ((D - c0) / 8) {  // D % 8 == 0
+      case 1: weigh_columns<1>(w, V + c0, D, b, e, o + c0); break;
+      case 2: weigh_columns<2>(w, V + c0, D, b, e, o + c0); break;
+      case 3: weigh_columns<3>(w, V + c0, D, b, e, o + c0); break;
+      case 4: weigh_columns<4>(w, V + c0, D, b, e, o + c0); break;
+      case 5: weigh_columns<5>(w, V + c0, D, b, e, o + c0); break;
+      case 6: weigh_columns<6>(w, V + c0, D, b, e, o + c0); break;
+      case 7: weigh_columns<7>(w, V + c0, D, b, e, o + c0); break;
+      default: break;
+    }
+  }
+
+  // C accumulators of 8 columns fed key by key. C is a compile-time constant so that they stay in registers:
+  // with a run-time count the compiler kept them on the stack, and every FMA waited on a store and a reload
+  // (~10 ns per head, row and key for SmolLM2).
+  template <int C>
+  static void weigh_columns(const float* w, const float* V, int64_t D, int64_t b, int64_t e, float* o) {
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
+    for (int64_t j = b; j < e; ++j) {
+      if (w[j] == 0.f) continue;
+      const __m256 wv = _mm256_set1_ps(w[j]);
+      const float* v = V + j * D;
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
   }
 
   int64_t H, HQ, HKV, D, I;
