@@ -265,7 +265,8 @@ class Stack {
 
   // Attention of the N new rows, per KV head: its queries are (query head of its group, row) pairs, all reading
   // the same K and V. They walk the keys in blocks of KEY_BLOCK, so a block is read from L2/L3 once and serves
-  // every query of the task from L1 (one query at a time re-read them ~9.9 ns per head, row and key: L2-bound).
+  // every query of the task from L1 (against one query at a time over all keys: SmolLM2's 30 layers at 512 keys,
+  // 1-17 rows, 1 thread, 0.95-0.96x the time).
   // Each (query, key) score and each output column keep their order of sums (a score: dot()'s over D, then
   // hsum(); a column: the keys in order, the running sum parked in `out` between blocks, which rounds nothing),
   // so a row's result does not depend on N or on which queries share its task.
