@@ -158,6 +158,10 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         from .quant_target import quantize_target
 
         quantize_target(tgt, gguf)
+    elif source_gguf(target) is not None:
+        from . import exact_blocks
+
+        exact_blocks.attach(tgt, source_gguf(target), directory)  # float32 CPU only: the same bits, fewer bytes
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)

@@ -59,7 +59,8 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                          len(drafter.cfg.target_layer_ids)],
                 block_size=block_size, max_nodes=max_nodes,
                 **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
-                **({"cpu_layers": True} if getattr(target, "stack", None) is not None else {}))  # cpu_stack.py
+                **({"cpu_layers": True} if getattr(target, "stack", None) is not None else {}),  # cpu_stack.py
+                **({"exact_blocks": True} if getattr(target, "blocks", None) is not None else {}))  # exact_blocks.py
 
 
 def costs_dir() -> Path:

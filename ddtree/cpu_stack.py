@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import qlinear
+from .exact_blocks import LAYER_MAX_ROWS
 from .layers import SKINNY_MAX_ROWS
 
 F32, Q4_1, Q8_0, BF16, F32P = 1, 2, 3, 4, 5  # decoder.cpp's Linear kinds
@@ -22,14 +23,16 @@ QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
 MAX_ROWS = SKINNY_MAX_ROWS  # above this (a prefill) torch's cache-blocked GEMM beats the skinny kernel
 
 
-def build(cfg, layers) -> object | None:
+def build(cfg, layers, blocks=None) -> object | None:
     """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`), or None when
     it cannot take them: not float32 on a CPU, a shape the C++ does not cover, or no kernel. Fused layers (a
     target after fuse() or quantize_target()) lend it their weights; separate q/k/v and gate/up projections (the
     drafter) are concatenated into copies. Weights whose values are all bfloat16 are copied as bfloat16 (see
     bf16_if_exact), and float32 weights get packed copies (qlinear.pack_rows, up to PACK_MAX_BYTES). A stack
     holding copies must be rebuilt when the weights change: the drafter and the target check their parameters'
-    version counters on every pass and rebuild it."""
+    version counters on every pass and rebuild it. blocks: per layer, its (qkv, o, gate_up, down) as
+    ddtree.qlinear.QWeights that dequantize EXACTLY to the float weights (None where there is none), from
+    ddtree.exact_blocks; passes of up to exact_blocks.LAYER_MAX_ROWS rows read those instead (same bits)."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -57,10 +60,14 @@ def build(cfg, layers) -> object | None:
     stack = qlinear.kernel().DecoderStack(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                           cfg.intermediate_size, cfg.rms_norm_eps)
     pack = packs(layers)
-    for layer, (qkv, o, gate_up, down), qkv_t, qkv_bias, gate_up_t in specs:
+    for i, (layer, (qkv, o, gate_up, down), qkv_t, qkv_bias, gate_up_t) in enumerate(specs):
         attn, mlp = layer.self_attn, layer.mlp
-        ids = [_add(stack, qkv, qkv_t, qkv_bias, pack), _add(stack, o, None, attn.o_proj.bias, pack),
-               _add(stack, gate_up, gate_up_t, None, pack), _add(stack, down, None, mlp.down_proj.bias, pack)]
+        biases = (qkv_bias, attn.o_proj.bias, None, mlp.down_proj.bias)
+        ids = [_add(stack, qkv, qkv_t, biases[0], pack), _add(stack, o, None, biases[1], pack),
+               _add(stack, gate_up, gate_up_t, None, pack), _add(stack, down, None, biases[3], pack)]
+        for j, exact in enumerate(blocks[i] if blocks is not None else ()):
+            if exact is not None:
+                stack.add_blocks(ids[j], _add(stack, exact, None, biases[j], pack), LAYER_MAX_ROWS)
         norms = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *norms,
                         *ids)

@@ -44,3 +44,16 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+class ContextCache(KVCache):
+    """A drafter's cache, with the target features of committed tokens whose K/V are not computed yet
+    (DFlashDrafter.add_context queues them; its next draft computes them all in one pass)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: list[torch.Tensor] = []  # [n_i, taps * hidden] each, in order
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending.clear()

@@ -4,7 +4,10 @@ The target is first loaded in float32 as always (ddtree.loading converts the GGU
 Then each linear layer whose GGUF tensor is Q4_1 or Q8_0 is swapped for a QLinear on the file's blocks, after
 checking that the blocks dequantize to exactly the float weights just loaded (bit for bit; the q/k rows that
 llama.cpp's converter permutes for Llama are put back in order). So the quantized model IS the float model, with
-weights streamed at 5 (Q4_1) or 8.5 (Q8_0) bits instead of 32; only the float sums run in another order.
+weights streamed at 5 (Q4_1) or 8.5 (Q8_0) bits instead of 32, and the kernels sum in the float path's order: on
+two threads its logits equal the float target's bit for bit. A float target loaded from a GGUF reads the same
+blocks for its narrow passes anyway (ddtree/exact_blocks.py); quant='gguf' takes them at every width and frees
+the float weights (less memory, slower wide passes).
 Other tensor types (F32, F16, K-quants, ...) stay float. The embedding stays float (a lookup reads one row);
 a tied LM head gets its own quantized copy, as llama.cpp uses it.
 """
@@ -47,31 +50,16 @@ def _matching(tensor, weight: torch.Tensor, heads: int | None, name: str) -> QWe
 
 def quantize_target(target, gguf_path: Path):
     """Swap `target`'s linear layers (fused by ddtree.fused) for QLinears on `gguf_path`'s blocks; returns it."""
-    from gguf import GGUFReader
-
     if target.backend != "own" or not target.fused:
         raise ConfigError("quant='gguf' needs the own-code target backend (backend='own')")
     if target.device.type != "cpu" or target.dtype != torch.float32:
         raise ConfigError(f"quant='gguf' runs on the CPU in float32 (asked: {target.device.type} "
                           f"{str(target.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
-    try:
-        tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
-    except Exception as e:  # noqa: BLE001 - gguf raises many types for a bad file
-        raise ConfigError(f"cannot read GGUF {gguf_path} ({type(e).__name__}: {e})") from e
-    cfg, kinds = target.cfg, set()
-    for i, layer in enumerate(target.model.layers):
-        quant = {}
-        for path, gguf_name in LAYER_TENSORS.items():
-            name = f"blk.{i}.{gguf_name}.weight"
-            if name not in tensors:
-                raise ConfigError(f"GGUF {gguf_path.name} has no tensor {name}")
-            module = layer.get_submodule(path)
-            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name)
-            quant[path] = _matching(tensors[name], module.weight.detach(), heads, name)
+    layers, head = gguf_blocks(target, gguf_path)
+    kinds = set()
+    for layer, quant in zip(target.model.layers, layers):
         _swap_layer(layer, quant)
         kinds.update(q.kind for q in quant.values() if q is not None)
-    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    head = _matching(tensors[head_name], target.lm_head.weight.detach(), None, head_name)
     if head is not None:
         target.lm_head = QLinear(head)
         target.head_t = None
@@ -80,6 +68,43 @@ def quantize_target(target, gguf_path: Path):
     target.stack = cpu_stack.build(target.cfg, target.model.layers)
     target._copies_of = None  # the float weights' copies are gone (and that list must not keep them alive)
     return target
+
+
+def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]], QWeight | None]:
+    """The GGUF's blocks of each layer's projections (by module path, LAYER_TENSORS) and of the LM head, each
+    checked to dequantize exactly to the float weight `target` holds (None for a tensor type that stays float).
+    A ConfigError where the file is unreadable, lacks a tensor, or is not these float weights."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    except Exception as e:  # noqa: BLE001 - gguf raises many types for a bad file
+        raise ConfigError(f"cannot read GGUF {gguf_path} ({type(e).__name__}: {e})") from e
+    cfg, layers = target.cfg, []
+    for i, layer in enumerate(target.model.layers):
+        quant = {}
+        for path, gguf_name in LAYER_TENSORS.items():
+            name = f"blk.{i}.{gguf_name}.weight"
+            if name not in tensors:
+                raise ConfigError(f"GGUF {gguf_path.name} has no tensor {name}")
+            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(gguf_name)
+            quant[path] = _matching(tensors[name], layer.get_submodule(path).weight.detach(), heads, name)
+        layers.append(quant)
+    head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    return layers, _matching(tensors[head_name], target.lm_head.weight.detach(), None, head_name)
+
+
+def fused_groups(quant: dict[str, QWeight | None]) -> tuple[QWeight | None, ...]:
+    """One layer's blocks (gguf_blocks) as the fused layout's (qkv, o, gate_up, down): q/k/v and gate/up rows
+    concatenated where all of a group has blocks of one kind, else None for that group."""
+    def group(*paths):
+        parts = [quant[p] for p in paths]
+        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+            return None
+        return parts[0] if len(parts) == 1 else QWeight.cat(parts)
+
+    return (group("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), group("self_attn.o_proj"),
+            group("mlp.gate_proj", "mlp.up_proj"), group("mlp.down_proj"))
 
 
 def _swap_layer(layer, quant: dict[str, QWeight | None]) -> None:

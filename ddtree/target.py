@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import cpu_stack, qlinear
+from . import cpu_stack, exact_blocks, qlinear
 from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
@@ -66,6 +66,7 @@ class TargetModel(nn.Module):
         self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
         self.head_bf16: torch.Tensor | None = None  # the LM head as bf16 where its values all are (with the stack)
         self._copies_of: tuple[list, tuple] | None = None  # (parameters, their key) when fuse() made copies
+        self.blocks = None  # ddtree.exact_blocks.ExactBlocks: GGUF blocks equal to the float weights, or None
 
     @property
     def fused(self) -> bool:
@@ -84,7 +85,8 @@ class TargetModel(nn.Module):
                 # 1-row copies for the layers (-280 MB for SmolLM2), made only if no stack can be built after all
                 packed = cpu_stack.packs(self.model.layers)
                 self.head_t = fuse_model(self, self.model.layers, self.lm_head, layer_copies=not packed)
-                self.stack = cpu_stack.build(self.cfg, self.model.layers)
+                self.stack = cpu_stack.build(self.cfg, self.model.layers,
+                                             self.blocks.layers if self.blocks is not None else None)
                 if packed and self.stack is None and self.head_t is not None:
                     for layer in self.model.layers:
                         fuse_layer(layer, transposed=True)
@@ -95,8 +97,16 @@ class TargetModel(nn.Module):
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
-            self.head_t = self.stack = self.head_bf16 = self._copies_of = None
+            self.head_t = self.stack = self.head_bf16 = self._copies_of = self.blocks = None
         return self
+
+    def attach_blocks(self, blocks) -> None:
+        """Read narrow passes (exact_blocks.LAYER_MAX_ROWS, HEAD_MAX_ROWS rows) from `blocks`
+        (ddtree.exact_blocks.ExactBlocks, GGUF blocks that dequantize exactly to these float weights; same bits)."""
+        self.blocks = blocks
+        self.stack = cpu_stack.build(self.cfg, self.model.layers, blocks.layers)
+        if blocks.head is not None:
+            self.head_t = None  # its 1-row GEMV copy (113 MB for SmolLM2) would serve nothing now
 
     def _follow_weights(self) -> None:
         """fuse() copies weights (transposes for 1-row GEMVs, the stack's packed and bf16 copies). A weight changed
@@ -104,6 +114,7 @@ class TargetModel(nn.Module):
         values, and the method's tokens no longer plain decoding's: re-make the copies then (~65 us per pass to
         check 272 SmolLM2 parameters' version counters)."""
         if self._copies_of is not None and cpu_stack.weights_key(self._copies_of[0]) != self._copies_of[1]:
+            self.blocks = None  # they were these weights' values, not the new ones'
             self.fuse()
 
     def _apply(self, fn, *args, **kwargs):
@@ -122,7 +133,8 @@ class TargetModel(nn.Module):
     def row_logits(self) -> bool:
         """Can a pass return RowLogits (forward(row_logits=True))? Where the 1-row LM head is fast: float32 CPU,
         and a quantized head (ddtree/qlinear.py)."""
-        return self.head_t is not None or self.quant is not None and not isinstance(self.lm_head, nn.Linear)
+        return (self.head_t is not None or self.blocks is not None and self.blocks.head is not None
+                or self.quant is not None and not isinstance(self.lm_head, nn.Linear))
 
     def lazy_logits(self, rows: int) -> bool:
         """Should a verify of `rows` nodes return RowLogits? A walk reads ~tau rows (~2), each a 1-row head pass
@@ -130,9 +142,13 @@ class TargetModel(nn.Module):
         7-8.5 ms, 17 rows ~15 ms; on two threads the 1-row GEMV does not go faster while the kernel does (5 rows
         5-5.8 ms). Measured ddtree tokens/s, all rows against RowLogits: 1 thread +4% at 5 and 9 nodes, -9% at
         17; 2 threads +18-27% at 5-17 nodes. So float32 targets read rows lazily only on one thread from
-        ROW_LOGITS_MIN_ROWS nodes; a quantized head (compute-bound at several rows) always."""
+        ROW_LOGITS_MIN_ROWS nodes; a quantized head (compute-bound at several rows) always. A head with exact
+        blocks (attach_blocks) takes them for up to exact_blocks.HEAD_MAX_ROWS rows at once (2 threads: 1 row 2.0 ms,
+        5 rows 3.8, 9 rows 4.9; the float head at 17 rows 7.5), so it reads rows lazily only above that."""
         if not self.row_logits or rows < 2:
             return False
+        if self.blocks is not None and self.blocks.head is not None:
+            return rows > exact_blocks.HEAD_MAX_ROWS
         return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
 
     @property
@@ -148,6 +164,10 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        head = self.blocks.head if self.blocks is not None else None
+        if (head is not None and hidden.dim() == 2 and hidden.shape[0] <= exact_blocks.HEAD_MAX_ROWS
+                and not (torch.is_grad_enabled() and hidden.requires_grad)):
+            return head.matmul(hidden.contiguous())  # exact blocks (ddtree/exact_blocks.py): same bits, fewer bytes
         if self.head_bf16 is not None and hidden.dim() == 2 and not (torch.is_grad_enabled() and hidden.requires_grad):
             return qlinear.kernel().bf16_linear(hidden.contiguous(), self.head_bf16)  # same bits, half the bytes
         return project(hidden, self.lm_head.weight, self.head_t)  # head_t: a 1-row fast path (ddtree.fused)

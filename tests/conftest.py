@@ -42,6 +42,7 @@ def plant_oracle(drafter, reference: list[int], seed: int = 0, top1: float = 0.6
     vocab = drafter.cfg.model.vocab_size
 
     def draft(self, cache, bonus, length=None):
+        self.flush_context(cache)  # as the real draft(): the queued context first, so cache.length is current
         length = length or self.block_size
         logits = torch.randn(length - 1, vocab, generator=gen) * vocab_noise
         for i in range(1, length):

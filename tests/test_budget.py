@@ -131,6 +131,7 @@ def test_adaptive_budget_shrinks_for_a_confidently_wrong_drafter(pairs):
     vocab = drafter.cfg.model.vocab_size
 
     def draft(self, cache, bonus, length=None):
+        self.flush_context(cache)
         length = length or self.block_size
         logits = torch.zeros(length - 1, vocab)
         logits[torch.arange(length - 1), (torch.arange(length - 1) * 7 + cache.length) % vocab] = 30.0

@@ -64,6 +64,29 @@ def test_cached_context_matches_one_shot_reference():
     torch.testing.assert_close(drafter.draft(cache, torch.tensor([7])), ours)  # repeatable: nothing leaked
 
 
+def test_context_waits_for_the_next_draft():
+    """add_context only queues the features on the drafter's own cache (steps that do not draft cost nothing);
+    the next draft computes them all, as a cache that computes each piece at once would have."""
+    from ddtree.kv_cache import KVCache
+
+    target, drafter = random_pair("llama", seed=7, num_draft_layers=2, block_size=6)
+    features = torch.randn(9, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
+    cache = drafter.new_cache(40)
+    drafter.add_context(cache, features[:5])
+    drafter.add_context(cache, features[5:])
+    assert cache.length == 0 and len(cache.pending) == 2
+    queued = drafter.draft(cache, torch.tensor([3]))
+    assert cache.length == 9 and not cache.pending
+    m = drafter.cfg.model
+    at_once = KVCache(m.num_layers, m.num_kv_heads, m.head_dim, 40, torch.float32, "cpu")
+    drafter.add_context(at_once, features[:5])
+    drafter.add_context(at_once, features[5:])
+    assert at_once.length == 9
+    torch.testing.assert_close(drafter.draft(at_once, torch.tensor([3])), queued, rtol=1e-5, atol=1e-5)
+    cache.reset()
+    assert cache.length == 0 and not cache.pending
+
+
 def test_save_load_round_trip(tmp_path):
     target, drafter = random_pair("llama", seed=6, num_draft_layers=2, block_size=8)
     drafter.save(tmp_path)

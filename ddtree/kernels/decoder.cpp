@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace ddtree {
@@ -95,8 +96,14 @@ struct Linear {
   torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: lanes, d, m; Q8_0: qs,
                           // d; BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
   torch::Tensor bias;
+  // The same weight in GGUF blocks that dequantize to it exactly (cpu_stack.build: a float target loaded from a
+  // GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
+  // result has the same bits at a fifth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
+  std::shared_ptr<const Linear> blocks;
+  int64_t blocks_rows = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (blocks && x.size(0) <= blocks_rows) return (*blocks)(x);
     torch::Tensor y;
     const bool gemv = kind == F32 && x.size(0) == 1 && at::get_num_threads() == 1;
     if (kind == Q4_1) {
@@ -141,6 +148,14 @@ class Stack {
     if (bias) l.bias = *bias;
     linears.push_back(l);
     return int64_t(linears.size()) - 1;
+  }
+
+  // Linear `exact` (Q4_1 / Q8_0, equal to `of` once dequantized) serves `of`'s passes of up to max_rows rows.
+  void add_blocks(int64_t of, int64_t exact, int64_t max_rows) {
+    const Linear& e = linears.at(exact);
+    TORCH_CHECK(e.kind == Linear::Q4_1 || e.kind == Linear::Q8_0, "exact blocks must be Q4_1 or Q8_0");
+    linears.at(of).blocks = std::make_shared<const Linear>(e);
+    linears.at(of).blocks_rows = max_rows;
   }
 
   void add_layer(torch::Tensor in_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
@@ -407,6 +422,8 @@ void bind_decoder(pybind11::module& mod) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
            "intermediate, rms_norm_eps")
       .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16, 5 packed f32), tensors, bias -> its index")
+      .def("add_blocks", &Stack::add_blocks, "of, exact, max_rows: linear `exact` (GGUF blocks equal to linear `of`) "
+           "runs `of`'s passes of up to max_rows rows")
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
       .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]");
 }

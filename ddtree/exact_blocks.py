@@ -1,0 +1,149 @@
+"""A float target's weights read from its GGUF file's own blocks, where they are exactly those blocks' values.
+
+Why: the embedded default's float32 weights ARE its GGUF's Q4_1 (layers) and Q8_0 (LM head) blocks dequantized
+(ddtree.loading converts that file). The CPU kernels (kernels/qlinear.cpp) sum each output in one order whatever
+format the weight is stored in, and a block dequantizes in registers to exactly the float value, so a product
+over the blocks has the bits of the product over the float weights: the same model, with 5 (Q4_1) or 8.5 (Q8_0)
+bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost ~2.5x
+less (SmolLM2's layers on the 2-core AVX2 EPYC, 2 threads: 9.6 against 23.8 ms). Passes wider than
+cpu_stack.BLOCK_MAX_ROWS are compute-bound and keep the float weights.
+
+Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
+and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
+Reading the GGUF's metadata takes ~6 s, so the blocks are checked against the float weights once and cached:
+$DDTREE_CACHE/exact-blocks/<the conversion's folder name>/blocks.safetensors, keyed by the conversion's checksum.
+DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison with llama.cpp F32).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError
+from .qlinear import QWeight
+
+FORMAT = 1
+SLOTS = ("qkv", "o", "gate_up", "down")
+# Passes of up to this many rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes in
+# registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30 layers'
+# matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 9.6 / 23.8, 3 rows 16.6 / 26.6, 5 rows 19.0 /
+# 23.8, 9 rows 24.3 / 25.4; 1 thread 1 row 14.2 / 32.0, 3 rows 24.6 / 38.4, 5 rows 37.4 / 35.7. In whole
+# benchmark verifies (2 threads) 3 rows cost 20.9 against 30.4 ms, 5 rows 27.6 / 29.6, 9 rows 34.1 / 30.8.
+LAYER_MAX_ROWS = 5
+# The Q8_0 LM head (49152 x 576), against the float one through the row kernel (ms): 2 threads 1 row 2.0 / 5.2,
+# 5 rows 3.8 / 5.1, 9 rows 4.9 / 6.4, 17 rows 7.7 / 7.5; 1 thread 1 row 3.7 / 9.2, 9 rows 9.6 / 9.9.
+HEAD_MAX_ROWS = 9
+
+
+@dataclass
+class ExactBlocks:
+    """Per layer the fused layout's (qkv, o, gate_up, down) blocks, and the LM head's; None where a weight has
+    none (a tensor type that stays float in the file)."""
+    layers: list[tuple[QWeight | None, ...]]
+    head: QWeight | None
+
+    def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """For safetensors: the blocks' tensors and, by entry name, their kinds."""
+        tensors, kinds = {}, {}
+        entries = [(f"layers.{i}.{slot}", q) for i, qs in enumerate(self.layers) for slot, q in zip(SLOTS, qs)]
+        for name, q in entries + [("head", self.head)]:
+            if q is not None:
+                kinds[name] = q.kind
+                tensors.update({f"{name}.qs": q.qs.contiguous(), f"{name}.d": q.d.contiguous()})
+                if q.m is not None:
+                    tensors[f"{name}.m"] = q.m.contiguous()
+        return tensors, kinds
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], kinds: dict[str, str], num_layers: int) -> "ExactBlocks":
+        def get(name):
+            if name not in kinds:
+                return None
+            return QWeight(kinds[name], tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors.get(f"{name}.m"))
+
+        return cls([tuple(get(f"layers.{i}.{slot}") for slot in SLOTS) for i in range(num_layers)], get("head"))
+
+
+def enabled() -> bool:
+    return os.environ.get("DDTREE_GGUF_BLOCKS", "1") != "0"
+
+
+def attach(target, gguf_path: Path, conversion: Path) -> bool:
+    """Give a float32 CPU target (loaded from the conversion `conversion` of `gguf_path`) its exact GGUF blocks,
+    from the cache or checked and cached now. False, and the target unchanged, where it cannot take them: not
+    float32 on a CPU with the C++ stack, a GGUF whose blocks are not these weights, or DDTREE_GGUF_BLOCKS=0."""
+    if not enabled() or target.stack is None or target.quant or target.dtype != torch.float32:
+        return False
+    key = cache_key(conversion)
+    blocks = _cached(key, len(target.model.layers)) if key is not None else None
+    if blocks is None:
+        blocks = _extract(target, gguf_path)
+        if key is not None:
+            _store(key, blocks)  # a file that does not match is remembered too, so it is read only once
+    if blocks.head is None and all(q is None for qs in blocks.layers for q in qs):
+        return False
+    target.attach_blocks(blocks)
+    return True
+
+
+def cache_key(conversion: Path) -> dict | None:
+    """What the cached blocks must have been checked against: the conversion (by folder name: the GGUF's path,
+    size and mtime) and its weights' checksum. None where the conversion has no manifest."""
+    from .loading import CACHE_MANIFEST
+
+    try:
+        digest = json.loads((conversion / CACHE_MANIFEST).read_text())["files"]["model.safetensors"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {"format": FORMAT, "conversion": conversion.name, "weights_sha256": digest}
+
+
+def cache_file(key: dict) -> Path:
+    from .loading import cache_root
+
+    return cache_root() / "exact-blocks" / key["conversion"] / "blocks.safetensors"
+
+
+def _cached(key: dict, num_layers: int) -> ExactBlocks | None:
+    from safetensors import safe_open
+
+    path = cache_file(key)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if json.loads(meta.get("key", "null")) != key:
+                return None
+            kinds = json.loads(meta["kinds"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return ExactBlocks.from_tensors(tensors, kinds, num_layers)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):  # absent, partial or foreign: extract again
+        return None
+
+
+def _store(key: dict, blocks: ExactBlocks) -> None:
+    from safetensors.torch import save_file
+
+    from .files import replacing_dir
+
+    tensors, kinds = blocks.tensors()
+    try:
+        with replacing_dir(cache_file(key).parent) as tmp:
+            save_file(tensors, str(tmp / "blocks.safetensors"), metadata={"key": json.dumps(key),
+                                                                          "kinds": json.dumps(kinds)})
+    except OSError as e:  # a read-only or full cache costs the next load the ~6 s again, nothing else
+        print(f"ddtree: cannot cache the exact GGUF blocks in {cache_file(key).parent} ({e})", file=sys.stderr)
+
+
+def _extract(target, gguf_path: Path) -> ExactBlocks:
+    from .quant_target import fused_groups, gguf_blocks
+
+    try:
+        layers, head = gguf_blocks(target, gguf_path)
+    except ConfigError:  # another file's weights, or a tensor missing: no blocks, the float weights alone
+        return ExactBlocks([(None,) * len(SLOTS) for _ in target.model.layers], None)
+    return ExactBlocks([fused_groups(quant) for quant in layers], head)
