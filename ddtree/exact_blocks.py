@@ -31,9 +31,9 @@ FORMAT = 1
 SLOTS = ("qkv", "o", "gate_up", "down")
 # Passes of up to this many rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes in
 # registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30 layers'
-# matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 9.6 / 23.8, 3 rows 16.6 / 26.6, 5 rows 19.0 /
-# 23.8, 9 rows 24.3 / 25.4; 1 thread 1 row 14.2 / 32.0, 3 rows 24.6 / 38.4, 5 rows 37.4 / 35.7. In whole
-# benchmark verifies (2 threads) 3 rows cost 20.9 against 30.4 ms, 5 rows 27.6 / 29.6, 9 rows 34.1 / 30.8.
+# matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 8.1 / 19.3, 3 rows 9.3 / 22.7, 5 rows 11.7 /
+# 25.3, 7 rows 19.5 / 23.1, 9 rows 21.9 / 22.6; 1 thread 1 row 13.0 / 28.0, 5 rows 20.8 / 33.5, 7 rows 38.0 /
+# 34.8, 9 rows 41.5 / 35.1 (from 6 rows the kernel stores dequantized tiles and sweeps them).
 LAYER_MAX_ROWS = 5
 # The Q8_0 LM head (49152 x 576), against the float one through the row kernel (ms): 2 threads 1 row 2.0 / 5.2,
 # 5 rows 3.8 / 5.1, 9 rows 4.9 / 6.4, 17 rows 7.7 / 7.5; 1 thread 1 row 3.7 / 9.2, 9 rows 9.6 / 9.9.

@@ -216,15 +216,20 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
         for p in drafter.parameters():
             if p.is_floating_point():
                 p.copy_(p.to(torch.bfloat16).float())
+    features = torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
     cache = drafter.new_cache(64)
-    drafter.add_context(cache, torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size))
+    drafter.add_context(cache, features)
     bonus = torch.tensor([7])
     half = drafter.draft(cache, bonus)
     assert drafter.cpu_stack() is not None and drafter._stack[2].dtype == torch.bfloat16
+    assert drafter._stack[3].dtype == torch.bfloat16  # fc, for the context
     monkeypatch.setattr(cpu_stack, "bf16_copy", lambda w: None)
-    drafter._stack = (None, None, None)
+    drafter._stack = (None, None, None, None)
     assert torch.equal(drafter.draft(cache, bonus), half)
-    assert drafter._stack[2] is None
+    assert drafter._stack[2] is None and drafter._stack[3] is None
+    fresh = drafter.new_cache(64)  # the context through torch's fc instead: the same up to the order of its sums
+    drafter.add_context(fresh, features)
+    torch.testing.assert_close(drafter.draft(fresh, bonus), half, rtol=1e-4, atol=1e-4)
 
 
 def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():

@@ -173,10 +173,9 @@ inline void span_steps(const Q& q, int64_t n0, int64_t s, const float* x, __m256
 }
 
 // The pass that reads the weights, dequantizing them in registers: y[r, n0 + t] for x rows [0, R), or (R == 0) the
-// tile dequantized into buf. Up to three rows take this one pass, not a pass that stores plus a sweep (30 layers'
-// weights from DRAM, 1 thread, old -> new: Q4_1 2 rows 0.67-0.76x the time, 3 rows 0.86-0.98x; Q8_0 0.58-0.80x and
-// 0.69-0.77x). More rows are swept over buf: multiplying two of them in the storing pass as well made 5 rows
-// 0.93-0.98x and 9 rows 1.36x the time (its 1-row tail sweep).
+// tile dequantized into buf. Up to five rows take this one pass, not a pass that stores plus a sweep (see tile()).
+// More rows are swept over buf: multiplying two of them in the storing pass as well made 5 rows 0.93-0.98x and 9
+// rows 1.36x the time (its 1-row tail sweep).
 template <class Q, int T, int R>
 inline void dequant_pass(const Q& q, int64_t n0, const float* x, int64_t K, int64_t N, float* y, float* buf) {
   __m256 acc[slots<R>][T];
@@ -214,7 +213,7 @@ inline void rows(const float* buf, L off, const float* x, int64_t K, float* y, i
 
 // Outputs [n0, n0 + T) for every x row. float32 rows: sweeps of up to three x rows over the rows in place, one row
 // included (through the span-by-span pass, packed 1-row products took 1.11-1.23x the time). Other weights
-// (quantized, bf16): up to three rows in the pass that dequantizes them in registers; more in sweeps of three over
+// (quantized, bf16): up to five rows in the pass that dequantizes them in registers; more in sweeps of three over
 // the tile that the pass writes to buf [T, K].
 template <class Q, int T>
 void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
@@ -228,8 +227,29 @@ void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t 
   const bool prefetch_here = w != nullptr && !(std::is_same_v<Q, Packed> && M <= 3);
   const char* pf = prefetch_here ? reinterpret_cast<const char*>(w + PREFETCH_ROWS * K) : nullptr;
   if (w == nullptr) {
+    // Up to five rows in the dequantizing pass, on as many weight rows at a time as keep its accumulators, x vectors
+    // and weights in the 16 registers: 2-3 x rows on half a tile (4 x 3 accumulators spilled: SmolLM2's 30 layers
+    // in Q4_1, 1 thread, 3 rows 22.5 -> 14.3 ms, 2 rows 16.9 -> 12.3), 4-5 rows one weight row at a time (which
+    // dequantizes nothing twice; 4 rows 27.7 -> 19.1 ms, 5 rows 33.4 -> 27.1 against a store-and-sweep pass). Every
+    // output keeps its one chain over K, so the bits do not change.
+    if constexpr (T % 2 == 0) {
+      if (M == 2 || M == 3) {
+        for (int h = 0; h < T; h += T / 2) {
+          if (M == 2) dequant_pass<Q, T / 2, 2>(q, n0 + h, x, K, N, y, buf);
+          if (M == 3) dequant_pass<Q, T / 2, 3>(q, n0 + h, x, K, N, y, buf);
+        }
+        return;
+      }
+    }
     if (M == 2) return dequant_pass<Q, T, 2>(q, n0, x, K, N, y, buf);
     if (M == 3) return dequant_pass<Q, T, 3>(q, n0, x, K, N, y, buf);
+    if (M == 4 || M == 5) {
+      for (int t = 0; t < T; ++t) {
+        if (M == 4) dequant_pass<Q, 1, 4>(q, n0 + t, x, K, N, y, buf);
+        if (M == 5) dequant_pass<Q, 1, 5>(q, n0 + t, x, K, N, y, buf);
+      }
+      return;
+    }
     dequant_pass<Q, T, 0>(q, n0, x, K, N, y, buf);
     w = buf;
   }
