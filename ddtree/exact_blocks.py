@@ -77,7 +77,9 @@ def attach(target, gguf_path: Path, conversion: Path) -> bool:
     """Give a float32 CPU target (loaded from the conversion `conversion` of `gguf_path`) its exact GGUF blocks,
     from the cache or checked and cached now. False, and the target unchanged, where it cannot take them: not
     float32 on a CPU with the C++ stack, a GGUF whose blocks are not these weights, or DDTREE_GGUF_BLOCKS=0."""
-    if not enabled() or target.stack is None or target.quant or target.dtype != torch.float32:
+    if not enabled() or getattr(target, "stack", None) is None or getattr(target, "quant", None):
+        return False  # the generic transformers backend has no stack; a quant='gguf' target has its blocks already
+    if target.dtype != torch.float32:
         return False
     key = cache_key(conversion)
     blocks = _cached(key, len(target.model.layers)) if key is not None else None

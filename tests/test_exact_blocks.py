@@ -175,3 +175,17 @@ def test_embedded_default_reads_its_exact_blocks():
         tokens = pair.generate(ids, method=method, budget=budget, max_new_tokens=48).token_ids
         verdict = pair.check(ids, reference, tokens)
         assert verdict.kind in ("identical", "tie_flip"), (method, verdict)
+
+
+def test_a_target_without_the_cpu_stack_gets_no_blocks(tmp_path, monkeypatch):
+    """The generic transformers backend (no C++ stack, no `stack` attribute) and a float target without a stack."""
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
+
+    class GenericTarget:
+        dtype = torch.float32
+
+    assert not exact_blocks.attach(GenericTarget(), path, conversion)
+    target = quantizable_target("llama")
+    target.stack = None
+    assert not exact_blocks.attach(target, path, conversion) and target.blocks is None
