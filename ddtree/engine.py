@@ -6,7 +6,7 @@ by name: it calls method.prepare() once, then propose() and observe() each step.
     loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
           logits = target(tree, tree mask)     # ONE pass over the N nodes
           path, bonus = walk(tree, choose(logits))
-          commit path's K/V (+ drafter context from its tap features); emit path tokens + bonus
+          commit path's K/V (+ queue the drafter's context: its tap features); emit path tokens + bonus
 """
 from __future__ import annotations
 

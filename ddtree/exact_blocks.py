@@ -5,8 +5,8 @@ Why: the embedded default's float32 weights ARE its GGUF's Q4_1 (layers) and Q8_
 format the weight is stored in, and a block dequantizes in registers to exactly the float value, so a product
 over the blocks has the bits of the product over the float weights: the same model, with 5 (Q4_1) or 8.5 (Q8_0)
 bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost ~2.5x
-less (SmolLM2's layers on the 2-core AVX2 EPYC, 2 threads: 9.6 against 23.8 ms). Passes wider than
-cpu_stack.BLOCK_MAX_ROWS are compute-bound and keep the float weights.
+less (SmolLM2's layers on the 2-core AVX2 EPYC, 2 threads: 9.6 against 23.8 ms). Wider passes are compute-bound
+and keep the float weights (LAYER_MAX_ROWS, HEAD_MAX_ROWS below).
 
 Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
 and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
