@@ -108,26 +108,25 @@ def fused_groups(quant: dict[str, QWeight | None]) -> tuple[QWeight | None, ...]
 
 
 def _swap_layer(layer, quant: dict[str, QWeight | None]) -> None:
-    """One fused layer onto its QWeights: q/k/v and gate/up each fused again (rows concatenated) when all of a
-    group is quantized alike; the separate projections become row views of the fused QWeight."""
+    """One fused layer onto its QWeights: q/k/v and gate/up fused again where fused_groups() can (the rest stays
+    float); the separate projections become row views of the fused QWeight."""
     attn, mlp = layer.self_attn, layer.mlp
-    groups = ((attn, "qkv_weight", "qkv_t", ("q_proj", "k_proj", "v_proj"), "self_attn."),
-              (mlp, "gate_up_weight", "gate_up_t", ("gate_proj", "up_proj"), "mlp."))
-    for module, fused_name, transposed_name, names, prefix in groups:
-        parts = [quant[prefix + n] for n in names]
-        if any(p is None for p in parts) or len({p.kind for p in parts}) > 1:
+    qkv, o, gate_up, down = fused_groups(quant)
+    groups = ((attn, qkv, "qkv_weight", "qkv_t", ("q_proj", "k_proj", "v_proj"), "self_attn."),
+              (mlp, gate_up, "gate_up_weight", "gate_up_t", ("gate_proj", "up_proj"), "mlp."))
+    for module, fused, fused_name, transposed_name, names, prefix in groups:
+        if fused is None:
             continue  # stays float
-        fused = QWeight.cat(parts)
         setattr(module, fused_name, fused)
         setattr(module, transposed_name, None)
         start = 0
-        for n, p in zip(names, parts):
-            old = getattr(module, n)
-            setattr(module, n, QLinear(fused.rows(start, start + p.shape[0]), old.bias))
-            start += p.shape[0]
-    for module, name, key in ((attn, "o_proj", "self_attn.o_proj"), (mlp, "down_proj", "mlp.down_proj")):
-        if quant[key] is not None:
-            setattr(module, name, QLinear(quant[key], getattr(module, name).bias))
+        for n in names:
+            rows = quant[prefix + n].shape[0]
+            setattr(module, n, QLinear(fused.rows(start, start + rows), getattr(module, n).bias))
+            start += rows
+    for module, name, weight in ((attn, "o_proj", o), (mlp, "down_proj", down)):
+        if weight is not None:
+            setattr(module, name, QLinear(weight, getattr(module, name).bias))
 
 
 def dequantized_state(target) -> dict[str, torch.Tensor]:
