@@ -218,10 +218,16 @@ class DFlashDrafter(nn.Module):
         if isinstance(cache, ContextCache):
             cache.pending.append(features)
         else:
+            self.cpu_stack()  # brings its copies up to date (the fc below)
             self._compute_context(cache, features)
 
     def flush_context(self, cache: KVCache) -> None:
         """Compute the context that add_context queued (draft() does this first)."""
+        self.cpu_stack()
+        self._flush(cache)
+
+    def _flush(self, cache: KVCache) -> None:
+        """flush_context() with the copies already checked by the caller (cpu_stack())."""
         if isinstance(cache, ContextCache) and cache.pending:
             features = cache.pending[0] if len(cache.pending) == 1 else torch.cat(cache.pending)
             cache.pending.clear()
@@ -229,8 +235,7 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def _compute_context(self, cache: KVCache, features: torch.Tensor) -> None:
-        self.cpu_stack()  # its bf16 copy of fc, where exact: the same products at half the bytes, in the row kernel
-        fc = self._stack[3]
+        fc = self._stack[3]  # fc as bf16 where exact: the same products at half the bytes, in the row kernel
         if fc is not None and features.dim() == 2 and features.shape[0] <= cpu_stack.MAX_ROWS:
             ctx = qlinear.kernel().bf16_linear(features.contiguous(), fc)  # ~0.2 against ~1 ms (F.linear)
         else:
@@ -246,7 +251,8 @@ class DFlashDrafter(nn.Module):
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """One pass over [bonus, MASK x (length - 1)] at positions cache.length + [0, length).
         bonus: LongTensor [1]. Returns logits [length - 1, V] for block positions 1..length-1."""
-        self.flush_context(cache)
+        stack = self.cpu_stack()  # once per draft: its weights' key costs ~0.1 ms
+        self._flush(cache)
         length = length or self.block_size
         block = torch.full((length,), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:1] = bonus
@@ -255,7 +261,6 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         backend = self.attention_backend  # resolved at load
         visibility = self._visibility(positions, cache.length)
-        stack = self.cpu_stack()
         if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
             h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
             hidden, head = self.norm(h[1:]), self._stack[2]
