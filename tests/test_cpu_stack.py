@@ -222,14 +222,40 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     bonus = torch.tensor([7])
     half = drafter.draft(cache, bonus)
     assert drafter.cpu_stack() is not None and drafter._stack[2].dtype == torch.bfloat16
-    assert drafter._stack[3].dtype == torch.bfloat16  # fc, for the context
+    assert drafter._stack[3] is drafter.cpu_stack()  # the context pass too, on bf16 copies of fc and k;v
     monkeypatch.setattr(cpu_stack, "bf16_copy", lambda w: None)
     drafter._stack = (None, None, None, None)
     assert torch.equal(drafter.draft(cache, bonus), half)
-    assert drafter._stack[2] is None and drafter._stack[3] is None
-    fresh = drafter.new_cache(64)  # the context through torch's fc instead: the same up to the order of its sums
+    assert drafter._stack[2] is None
+    fresh = drafter.new_cache(64)  # the context on float32 copies: the same bits
     drafter.add_context(fresh, features)
-    torch.testing.assert_close(drafter.draft(fresh, bonus), half, rtol=1e-4, atol=1e-4)
+    assert torch.equal(drafter.draft(fresh, bonus), half)
+
+
+def test_drafter_context_through_the_stack_matches_eager():
+    """The drafter's context pass (fc, hidden_norm, then every layer's k/v projection, k_norm and RoPE into its
+    cache) as one C++ call equals the eager ops' K/V within float32 rounding, at the cache rows after a past."""
+    target, drafter = random_pair("llama", seed=3, num_draft_layers=2, init_scale=0.25)  # a Qwen3 drafter
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+    features = torch.randn(9, width, generator=torch.Generator().manual_seed(1))
+    caches = []
+    for stack in (True, False):
+        cache = drafter.new_cache(32)
+        if stack:
+            assert drafter.cpu_stack() is not None and drafter._stack[3] is not None
+        else:
+            drafter._stack = (*drafter._stack[:3], None)  # the eager ops (the weights' key unchanged: no rebuild)
+        drafter.add_context(cache, features[:5])  # a past, then more rows after it (positions 5..8)
+        drafter.flush_context(cache)
+        drafter.add_context(cache, features[5:])
+        drafter.flush_context(cache)
+        assert (drafter._stack[3] is not None) == stack
+        caches.append(cache)
+    fast, ref = caches
+    assert fast.length == ref.length == 9
+    torch.testing.assert_close(fast.k[:, :, :9], ref.k[:, :, :9], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(fast.v[:, :, :9], ref.v[:, :, :9], rtol=1e-5, atol=2e-5)
+    assert fast.k[:, :, :9].abs().sum() > 0 and not torch.equal(fast.k[:, :, 5:9], fast.k[:, :, :4])
 
 
 def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():

@@ -185,15 +185,8 @@ class Stack {
     TORCH_CHECK(cos.sizes() == torch::IntArrayRef({N, D}) && sin.sizes() == cos.sizes() &&
                     cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
                 "cos and sin must be float32 [N, head_dim]");
-    // Any layer and head strides (the batched generator passes one row of its cache as a view); each head's rows
-    // must be contiguous [capacity, head_dim], and K and V laid out alike.
-    for (const auto* c : {&k_cache, &v_cache})
-      TORCH_CHECK(c->dim() == 4 && c->size(0) == L && c->size(1) == HKV && c->size(3) == D && c->stride(3) == 1 &&
-                      c->stride(2) == D && c->strides() == k_cache.strides() && c->sizes() == k_cache.sizes() &&
-                      c->scalar_type() == torch::kFloat32 && c->device().is_cpu(),
-                  "the KV cache must be float32 CPU [layers, kv_heads, capacity, head_dim], rows contiguous");
-    const int64_t cap = k_cache.size(2), layer_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
-    TORCH_CHECK(past >= 0 && past + N <= cap, "KV cache overflow: ", past + N, " rows > capacity ", cap);
+    check_cache(k_cache, v_cache, past, N);
+    const int64_t layer_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
     const bool* anc = nullptr;
     torch::Tensor anc_t;
     if (ancestors) {
@@ -227,17 +220,11 @@ class Stack {
       float* vc = v_cache.data_ptr<float>() + l * layer_stride;
       for (int64_t i = 0; i < N; ++i) {
         float* row = q + i * QKV;
-        if (ly.q_norm.defined()) {
+        if (ly.q_norm.defined())
           for (int64_t a = 0; a < HQ; ++a) rmsnorm(row + a * D, ly.q_norm.data_ptr<float>(), eps, D, row + a * D);
-          for (int64_t a = HQ; a < HQ + HKV; ++a)
-            rmsnorm(row + a * D, ly.k_norm.data_ptr<float>(), eps, D, row + a * D);
-        }
-        for (int64_t a = 0; a < HQ + HKV; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D,
-                                                    sin.data_ptr<float>() + i * D, D);
-        for (int64_t a = 0; a < HKV; ++a) {
-          std::copy(row + (HQ + a) * D, row + (HQ + a + 1) * D, kc + a * head_stride + (past + i) * D);
-          std::copy(row + (HQ + HKV + a) * D, row + (HQ + HKV + a + 1) * D, vc + a * head_stride + (past + i) * D);
-        }
+        for (int64_t a = 0; a < HQ; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, D);
+        key_value(ly, row + HQ * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, kc, vc, head_stride,
+                  past + i);
       }
       attend(q, QKV, kc, vc, head_stride, past, N, anc, attn.data_ptr<float>());
       add_(hp, ly.o(attn), N * H);
@@ -254,7 +241,72 @@ class Stack {
     return {h, tap_out};
   }
 
+  // The drafter's context (DFlash KV injection), given by add_context(): the n committed tokens' tap features
+  // [n, F] -> ctx = rmsnorm(features W_fc) [n, H]; per layer, k = RoPE(k_norm(ctx W_k)) and v = ctx W_v are written
+  // at cache rows [past, past + n) (the eager DFlashDrafter._compute_context). cos, sin [n, D] at those positions.
+  void add_context(int64_t fc, torch::Tensor norm, std::vector<int64_t> kv) {
+    TORCH_CHECK(kv.size() == layers.size(), "add_context: one k;v linear per layer, after add_layer");
+    TORCH_CHECK(norm.numel() == H && norm.scalar_type() == torch::kFloat32, "add_context: norm must be float32 [hidden]");
+    ctx_fc = linears.at(fc);
+    ctx_norm = norm.contiguous();
+    ctx_kv.clear();
+    for (int64_t id : kv) ctx_kv.push_back(linears.at(id));
+  }
+
+  void context(torch::Tensor features, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+               torch::Tensor v_cache, int64_t past) {
+    TORCH_CHECK(!ctx_kv.empty(), "this stack has no drafter context (add_context)");
+    const int64_t N = features.size(0);
+    TORCH_CHECK(features.dim() == 2 && features.scalar_type() == torch::kFloat32 && features.device().is_cpu(),
+                "features must be float32 CPU [n, taps * hidden]");
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({N, D}) && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "cos and sin must be float32 [n, head_dim]");
+    check_cache(k_cache, v_cache, past, N);
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    torch::Tensor fused = ctx_fc(features.contiguous());
+    TORCH_CHECK(fused.size(1) == H, "the context projection has the wrong width");
+    torch::Tensor ctx = torch::empty({N, H}, fused.options());
+    for (int64_t i = 0; i < N; ++i)
+      rmsnorm(fused.data_ptr<float>() + i * H, ctx_norm.data_ptr<float>(), eps, H, ctx.data_ptr<float>() + i * H);
+    for (size_t l = 0; l < layers.size(); ++l) {
+      torch::Tensor kv = ctx_kv[l](ctx);  // [n, 2 * HKV * D]
+      TORCH_CHECK(kv.size(1) == 2 * HKV * D && kv.is_contiguous(), "the context's k;v projection has the wrong width");
+      float* kc = k_cache.data_ptr<float>() + l * k_cache.stride(0);
+      float* vc = v_cache.data_ptr<float>() + l * v_cache.stride(0);
+      for (int64_t i = 0; i < N; ++i)
+        key_value(layers[l], kv.data_ptr<float>() + i * 2 * HKV * D, cos.data_ptr<float>() + i * D,
+                  sin.data_ptr<float>() + i * D, kc, vc, k_cache.stride(1), past + i);
+    }
+  }
+
  private:
+  // Any layer and head strides (the batched generator passes one row of its cache as a view); each head's rows
+  // must be contiguous [capacity, head_dim], and K and V laid out alike.
+  void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t past, int64_t n) const {
+    for (const auto* c : {&k_cache, &v_cache})
+      TORCH_CHECK(c->dim() == 4 && c->size(0) == int64_t(layers.size()) && c->size(1) == HKV && c->size(3) == D &&
+                      c->stride(3) == 1 && c->stride(2) == D && c->strides() == k_cache.strides() &&
+                      c->sizes() == k_cache.sizes() && c->scalar_type() == torch::kFloat32 && c->device().is_cpu(),
+                  "the KV cache must be float32 CPU [layers, kv_heads, capacity, head_dim], rows contiguous");
+    TORCH_CHECK(past >= 0 && past + n <= k_cache.size(2), "KV cache overflow: ", past + n, " rows > capacity ",
+                k_cache.size(2));
+  }
+
+  // One row's keys and values kv = [k heads | v heads] (HKV * D each): k_norm (Qwen3) and RoPE on the keys, in
+  // place, then both written at cache row `pos` of every KV head.
+  void key_value(const Layer& ly, float* kv, const float* cos, const float* sin, float* kc, float* vc,
+                 int64_t head_stride, int64_t pos) const {
+    for (int64_t a = 0; a < HKV; ++a) {
+      float* k = kv + a * D;
+      if (ly.k_norm.defined()) rmsnorm(k, ly.k_norm.data_ptr<float>(), eps, D, k);
+      rope(k, cos, sin, D);
+      std::copy(k, k + D, kc + a * head_stride + pos * D);
+      std::copy(kv + (HKV + a) * D, kv + (HKV + a + 1) * D, vc + a * head_stride + pos * D);
+    }
+  }
+
   // y += z, elementwise (the eager residual `h + z`).
   static void add_(float* y, const torch::Tensor& z, int64_t n) {
     const float* zp = z.data_ptr<float>();
@@ -413,6 +465,9 @@ class Stack {
   float eps;
   std::vector<Linear> linears;
   std::vector<Layer> layers;
+  Linear ctx_fc;  // the drafter's context (add_context): fc, hidden_norm's weight, per layer its k;v projection
+  torch::Tensor ctx_norm;
+  std::vector<Linear> ctx_kv;
 };
 
 }  // namespace
@@ -425,7 +480,9 @@ void bind_decoder(pybind11::module& mod) {
       .def("add_blocks", &Stack::add_blocks, "of, exact, max_rows: linear `exact` (GGUF blocks equal to linear `of`) "
            "runs `of`'s passes of up to max_rows rows")
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
-      .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]");
+      .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]")
+      .def("add_context", &Stack::add_context, "fc, hidden_norm weight, per layer its k;v linear: the drafter's context")
+      .def("context", &Stack::context, "features, cos, sin, k_cache, v_cache, past: the drafter's context K/V");
 }
 
 }  // namespace ddtree
