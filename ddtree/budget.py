@@ -33,7 +33,8 @@ class CostModel:
     """Seconds per decoding step: fixed (draft, tree build, commit) + verify(n nodes), piecewise linear."""
     sizes: tuple[int, ...]  # node counts measured, root included, increasing
     verify_seconds: tuple[float, ...]
-    fixed_seconds: float
+    fixed_seconds: float  # with a draft of the whole block
+    draft_seconds: tuple[float, ...] = ()  # the draft pass at lengths 2, 3, ..., block; () = not measured
 
     def __post_init__(self):
         if len(self.sizes) != len(self.verify_seconds) or not self.sizes:
@@ -41,28 +42,38 @@ class CostModel:
         if list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
 
-    def step_seconds(self, nodes: np.ndarray) -> np.ndarray:
-        """Seconds of a step verifying `nodes` nodes (root included); linear beyond the last size."""
+    def fixed(self, length: int | None = None) -> float:
+        """fixed_seconds for a draft of `length` positions (None: the whole block), scaled by the measured draft
+        passes (on a CPU their rows are compute-bound: 3 positions cost about half of 8)."""
+        if length is None or not self.draft_seconds:
+            return self.fixed_seconds
+        i = min(max(length, 2), len(self.draft_seconds) + 1) - 2
+        return self.fixed_seconds * self.draft_seconds[i] / self.draft_seconds[-1]
+
+    def step_seconds(self, nodes: np.ndarray, length: int | None = None) -> np.ndarray:
+        """Seconds of a step verifying `nodes` nodes (root included) after a draft of `length` positions (None:
+        the whole block); linear beyond the last size."""
         nodes = np.asarray(nodes, dtype=np.float64)
         s, v = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.verify_seconds)
         out = np.interp(nodes, s, v)
         if len(s) > 1:  # extrapolate with the last segment's slope
             slope = (v[-1] - v[-2]) / (s[-1] - s[-2])
             out = np.where(nodes > s[-1], v[-1] + slope * (nodes - s[-1]), out)
-        return self.fixed_seconds + out
+        return self.fixed(length) + out
 
 
 def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray | None = None,
-                  edge_scale: float = 1.0) -> int:
+                  edge_scale: float = 1.0, length: int | None = None) -> int:
     """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. With depths
-    [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration)."""
+    [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration).
+    length: the draft's positions (its cost is in every step; None: the whole block)."""
     if len(path_logprobs) == 0:
         raise ValueError("no draft nodes to choose from")
     p = np.exp(path_logprobs)
     if depths is not None and edge_scale != 1.0:
         p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
     expected = 1.0 + np.cumsum(p)  # tokens per step for b = 1..len
-    rate = expected / cost.step_seconds(np.arange(2, len(path_logprobs) + 2))
+    rate = expected / cost.step_seconds(np.arange(2, len(path_logprobs) + 2), length)
     return int(np.argmax(rate)) + 1
 
 
@@ -162,9 +173,10 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     dcache = drafter.new_cache(context + max(block, max(sizes)))
     drafter.add_context(dcache, out.taps)
     bonus = ids[context:context + 1]
+    drafts = tuple(timed(lambda n=n: drafter.draft(dcache, bonus, n)) for n in range(2, block + 1))
     # + tree build, compile, walk and commit: a few ms on a CPU, well under a verify pass; 10% of the draft
     # pass stands in for them (the benchmark's stage times show the real split)
-    fixed = timed(lambda: drafter.draft(dcache, bonus, block)) * 1.1
+    fixed = drafts[-1] * 1.1
     verify = []
     for n in sizes:
         parents, depths = chain_parents(n)
@@ -173,7 +185,7 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
         verify.append(timed(lambda: target(ids[context:context + n], pos, cache, vis, taps)))
         if stop_when_hopeless and sizes[0] == 1 and fixed + verify[-1] > block * verify[0]:
             break
-    return CostModel(sizes[:len(verify)], tuple(verify), fixed)
+    return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts)
 
 
 def _sync(device: torch.device) -> None:

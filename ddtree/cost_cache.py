@@ -6,7 +6,8 @@ backend, torch version): everything the timings depend on, and nothing they do n
 That key is stored in the file beside the curve:
 
     $DDTREE_CACHE/verify-costs/<sha1 of the key>.json
-        {"key": {...}, "sizes": [1, 2, ...], "verify_seconds": [...], "fixed_seconds": 0.0083}
+        {"key": {...}, "sizes": [1, 2, ...], "verify_seconds": [...], "fixed_seconds": 0.0083,
+         "draft_seconds": [...]}
 
 A file that does not parse or whose key differs is measured again and replaced. Delete the folder to force a
 new measurement (after a BIOS or power-setting change, say).
@@ -25,10 +26,11 @@ import torch
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
-FORMAT = 4  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 5  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
+# 5: the draft pass timed at every length (budget="auto" drafts only as deep as its trees go)
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 
@@ -93,7 +95,8 @@ def read_costs(path: Path, key: dict) -> CostModel | None:
         data = json.loads(path.read_text())
         if data.get("key") != key:
             return None
-        return CostModel(tuple(data["sizes"]), tuple(data["verify_seconds"]), float(data["fixed_seconds"]))
+        return CostModel(tuple(data["sizes"]), tuple(data["verify_seconds"]), float(data["fixed_seconds"]),
+                         tuple(float(x) for x in data["draft_seconds"]))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -103,7 +106,7 @@ def read_costs(path: Path, key: dict) -> CostModel | None:
 
 def write_costs(path: Path, key: dict, cost: CostModel) -> None:
     data = dict(key=key, sizes=list(cost.sizes), verify_seconds=list(cost.verify_seconds),
-                fixed_seconds=cost.fixed_seconds)
+                fixed_seconds=cost.fixed_seconds, draft_seconds=list(cost.draft_seconds))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

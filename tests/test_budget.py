@@ -22,6 +22,31 @@ def test_cost_model_interpolates_and_extrapolates():
         CostModel((1, 2), (1.0,), 0.0)
 
 
+def test_cost_model_scales_the_fixed_cost_by_the_draft_length():
+    cost = CostModel((1, 9), (1.0, 3.0), fixed_seconds=0.44, draft_seconds=(0.1, 0.2, 0.3, 0.4))  # lengths 2..5
+    assert cost.fixed() == cost.fixed(5) == 0.44
+    assert cost.fixed(3) == pytest.approx(0.44 * 0.2 / 0.4) and cost.fixed(2) == pytest.approx(0.11)
+    assert cost.fixed(9) == 0.44 and cost.fixed(1) == pytest.approx(0.11)  # clamped to the measured lengths
+    assert cost.step_seconds(np.array([1, 9]), 3).tolist() == pytest.approx([1.22, 3.22])
+    assert CostModel((1, 9), (1.0, 3.0), 0.44).fixed(3) == 0.44  # draft passes not measured: the block's
+
+
+def test_adaptive_draft_length_follows_the_depth_of_kept_trees(pairs):
+    """budget="auto" drafts one position past the deepest tree it kept in its last DEPTH_MEMORY drafted steps,
+    within 2..block, and charges each step the fixed cost of the length it drafted."""
+    target, drafter = pairs["llama"]
+    method = make_method("ddtree", "auto", None, drafter)
+    method.cost = CostModel((1, 16), (1.0, 1.1), 0.5, draft_seconds=tuple(0.1 * n for n in range(2, 9)))
+    assert method.block_size == method.max_length == method.longest_draft() == 8
+    lengths = []
+    for depth in (1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 7, 7):
+        method._last = (np.log(np.full(depth, 0.9)), np.arange(1, depth + 1))  # as keep() leaves a chain of `depth`
+        method.observe(accepted=0)
+        lengths.append(method.block_size)
+    assert lengths == [3, 3, 3, 3, 3, 5, 5, 5, 5, 3, 8, 8]
+    assert method.longest_draft() == 8  # what the stats report: the longest a draft may be
+
+
 def test_choose_budget_by_hand():
     # fixed 1 s, verify 0.1 s per node (root included): b=1 -> 1.9/1.2, b=2 -> 2.4/1.3 (best), b=3 -> 2.5/1.4
     cost = CostModel((1, 100), (0.1, 10.0), fixed_seconds=1.0)

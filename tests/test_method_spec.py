@@ -81,6 +81,31 @@ def test_make_method_classes_and_pair_reuses_them(pair):
     assert pair.method("ddtree:auto") is not pair.method("ddtree:auto", block_size=4)
 
 
+@pytest.mark.parametrize("budget,block,length", [(1, None, 2), (2, None, 3), (4, None, 5), (7, None, 8),
+                                                  (64, None, 8), ("auto", None, 8), (2, 6, 3), (16, 6, 6)])
+def test_ddtree_drafts_no_deeper_than_its_budget(pair, budget, block, length):
+    """A tree of B nodes is at most B deep: ddtree drafts min(block, B + 1) positions, and the tree it builds
+    from them still has its B nodes (the pair's drafter has block 8)."""
+    assert pair.drafter.block_size == 8
+    m = make_method("ddtree", budget, block, pair.drafter)
+    assert m.block_size == length
+    m.prepare(pair.target, pair.drafter)
+    seen = []
+    draft = pair.drafter.draft
+    pair.drafter.draft = lambda cache, bonus, n: seen.append(n) or draft(cache, bonus, n)
+    try:
+        dcache = pair.drafter.new_cache(64)
+        pair.drafter.add_context(dcache, torch.randn(3, len(pair.drafter.cfg.target_layer_ids) * 64))
+        if isinstance(m, AdaptiveDDTree):
+            m.gate.rate = None  # no evidence yet: drafts
+        tree = m.propose(pair.drafter, dcache, torch.tensor([5]), 40, StageTimer("cpu"))
+    finally:
+        del pair.drafter.draft
+    assert seen == [length]
+    if budget != "auto":
+        assert tree.size == min(budget, 39) + 1 and tree.depths.max() <= length - 1  # room 40: 39 nodes at most
+
+
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree:16", "ddtree:auto"])
 def test_plain_step_decided_in_one_place(pair, method):
     """Method.propose gives the lone root when no draft of >= 1 token fits the room left; else a real draft."""
