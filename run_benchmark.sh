@@ -2,9 +2,9 @@
 # The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.benchmark`.
 #
 #   bash run_benchmark.sh                 # quick default: 3 datasets x T=0,1 x 2 prompts x 64 tokens, ar + hf
-#                                         #   + dflash + ddtree at budgets 8/16/32 and auto (<= 10 min on 2 CPU
+#                                         #   + dflash + ddtree at budgets 2/4/8/16 and auto (<= 10 min on 2 CPU
 #                                         #   cores; it prints its own estimate after the warm-up)
-#   bash run_benchmark.sh --full          # 20 prompts x 256 tokens, budgets 8..512 (hours on 2 CPU cores)
+#   bash run_benchmark.sh --full          # 20 prompts x 256 tokens, budgets 2..512 (hours on 2 CPU cores)
 #   bash run_benchmark.sh --traces        # also per-step tree traces (results/traces.jsonl) and their plots
 #   bash run_benchmark.sh --tiny          # smoke test: 2 prompts x 8 tokens, budget 16 (~1 min)
 #   NPROC=4 bash run_benchmark.sh ...     # shard prompts over 4 processes (torchrun; gloo on CPU, nccl on GPU)

@@ -46,21 +46,22 @@ from .stats import STAGES
 # Presets: values used for options not given on the command line.
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
-    # that pay on a CPU and auto, greedy and sampled, on the three sets. Sized from per-token costs (2 threads,
-    # shipped drafter, docs/cpu-speed.md): on the AVX2 EPYC in fp32 (the slower kind; ar ~52 ms/token) the
-    # methods sum to ~0.56 s per token position at T=0 and ~0.54 s at T=1, so 3 sets x 2 prompts x 64 tokens
-    # x 2 temperatures ~ 420 s of decoding, plus loading, warm-up and the verify-cost calibration (once per
-    # machine); ~0.7x that on the AMX Xeon in bf16 (ar ~36 ms/token).
+    # that pay on a CPU (2 and 4 where the target's passes of up to 5 rows read exact GGUF blocks, 8 and 16 in
+    # bf16 on AMX) and auto, greedy and sampled, on the three sets. Sized from per-token costs (2 threads,
+    # shipped drafter, docs/cpu-speed.md): on the AVX2 EPYC in fp32 with the embedded target's exact blocks
+    # (ar ~17-25 ms/token that run) `bash run_benchmark.sh && python plot_results.py` took 3 min 40 s wall,
+    # the verify-cost calibration included. Without the blocks (DDTREE_GGUF_BLOCKS=0, ar ~30 ms/token) a method
+    # costs up to ~2x per token, so an estimated ~6-7 min (not timed this way).
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
     # llama-cpp-python and are skipped with a message without it.
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                   methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                  budgets="8,16,32,auto", num_prompts=2, max_new_tokens=64),
+                  budgets="2,4,8,16,auto", num_prompts=2, max_new_tokens=64),
     # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
     # minutes on one GPU.
     "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                 budgets="8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256),
+                 budgets="2,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
                  num_prompts=2, max_new_tokens=8),
