@@ -218,7 +218,7 @@ class DFlashDrafter(nn.Module):
         if isinstance(cache, ContextCache):
             cache.pending.append(features)
         else:
-            self.cpu_stack()  # brings its copies up to date (the fc below)
+            self.cpu_stack()  # brings its copies up to date (the context pass below)
             self._compute_context(cache, features)
 
     def flush_context(self, cache: KVCache) -> None:

@@ -182,9 +182,7 @@ class Stack {
     const int64_t L = int64_t(layers.size());
     TORCH_CHECK(h.dim() == 2 && h.size(1) == H && h.scalar_type() == torch::kFloat32 && h.device().is_cpu(),
                 "h must be float32 CPU [N, hidden]");
-    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({N, D}) && sin.sizes() == cos.sizes() &&
-                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
-                "cos and sin must be float32 [N, head_dim]");
+    check_rope(cos, sin, N);
     check_cache(k_cache, v_cache, past, N);
     const int64_t layer_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
     const bool* anc = nullptr;
@@ -259,9 +257,7 @@ class Stack {
     const int64_t N = features.size(0);
     TORCH_CHECK(features.dim() == 2 && features.scalar_type() == torch::kFloat32 && features.device().is_cpu(),
                 "features must be float32 CPU [n, taps * hidden]");
-    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({N, D}) && sin.sizes() == cos.sizes() &&
-                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
-                "cos and sin must be float32 [n, head_dim]");
+    check_rope(cos, sin, N);
     check_cache(k_cache, v_cache, past, N);
     cos = cos.contiguous();
     sin = sin.contiguous();
@@ -282,6 +278,12 @@ class Stack {
   }
 
  private:
+  void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t n) const {
+    TORCH_CHECK(cos.sizes() == torch::IntArrayRef({n, D}) && sin.sizes() == cos.sizes() &&
+                    cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
+                "cos and sin must be float32 [rows, head_dim]");
+  }
+
   // Any layer and head strides (the batched generator passes one row of its cache as a view); each head's rows
   // must be contiguous [capacity, head_dim], and K and V laid out alike.
   void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t past, int64_t n) const {
