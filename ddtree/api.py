@@ -80,7 +80,7 @@ class Pair:
     def method(self, method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None) -> Method:
         """The pair's Method for a spec (see method_spec.py), made once and reused: what the adaptive budget
         learns about this pair (its trust in the drafter, whether drafting pays) carries across prompts."""
-        spec = MethodSpec.parse(method, budget)
+        spec = MethodSpec.parse(method, budget, self.device)
         key = (spec, block_size)
         if key not in self._methods:
             self._methods[key] = make_method(spec, None, block_size, self.drafter)
@@ -91,7 +91,7 @@ class Pair:
                  max_new_tokens: int = 256, seed: int | None = None, chat: bool = True,
                  trace: bool = False) -> GenerationResult:
         """method: 'ar', 'dflash', 'ddtree', 'ddtree:N' or 'ddtree:auto'; budget: a bare ddtree's budget
-        (None: method_spec.DEFAULT_BUDGET). trace=True keeps a per-step tree trace in the result."""
+        (None: method_spec.default_budget: `auto` on a CPU, 64 on a GPU). trace=True keeps a per-step tree trace in the result."""
         sampling = SamplingParams(temperature, top_p, top_k)
         strategy = self.method(method, budget, block_size)
         ids = self.encode(prompt, chat)

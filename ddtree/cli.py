@@ -25,7 +25,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", help=f"a bare ddtree's draft nodes per step, or 'auto' (adaptive; from a verify-cost "
-                                    f"curve measured once per machine; default: {DEFAULT_BUDGET})")
+                                    f"curve measured once per machine; default: auto on a CPU, "
+                                    f"{DEFAULT_BUDGET} on a GPU)")
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -62,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from . import api
         from .compare import compare as run_compare
+        from .loading import resolve_device
 
+        device = resolve_device(args.device)  # a bare ddtree's default budget depends on it
         if args.command == "generate":  # bad method specs fail before the model loads
-            method = MethodSpec.parse(args.method, args.budget)
+            method = MethodSpec.parse(args.method, args.budget, device)
         else:
-            methods = parse_methods(args.methods, None if args.budget is None else [args.budget])
+            methods = parse_methods(args.methods, None if args.budget is None else [args.budget], device)
         pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)

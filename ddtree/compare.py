@@ -41,7 +41,7 @@ def compare(pair, prompts, methods=("ar", "dflash", "ddtree"), budget=None, max_
     if not prompts:
         raise ConfigError("prompts is empty: give at least one prompt")
     check_int("seed", seed)
-    specs = available(parse_methods(methods, None if budget is None else [budget]))
+    specs = available(parse_methods(methods, None if budget is None else [budget], pair.device))
     settings = RunSettings(max_new_tokens, temperature, top_p, top_k, block_size, chat)
     peers = Peers(pair)
     if warmup:  # first-call costs (allocator, kernels, the adaptive budget's cost curve) stay out of the timings

@@ -10,7 +10,7 @@
                  written by ddtree); llamacpp:gguf, of the GGUF file the target was loaded from (e.g. Q4_1).
                  Compare and the benchmark, greedy only, with llama-cpp-python installed (ddtree/llamacpp_baseline.py)
     dflash       linear DFlash: one drafted block verified as a chain
-    ddtree:N     DDTree: a best-first tree of N draft nodes per step (bare `ddtree`: DEFAULT_BUDGET)
+    ddtree:N     DDTree: a best-first tree of N draft nodes per step (bare `ddtree`: default_budget(device))
     ddtree:auto  DDTree with the adaptive per-step budget (ddtree/budget.py)
 """
 from __future__ import annotations
@@ -23,9 +23,19 @@ from .config import ConfigError
 NAMES = ("ar", "hf", "llamacpp", "dflash", "ddtree")
 PEERS = ("hf", "llamacpp")  # other programs' plain decoding: compare and the benchmark only, greedy only
 LLAMACPP_VARIANTS = ("gguf",)  # llamacpp:gguf, the target's own GGUF file
-DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree`
+DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree` on a GPU (or where the device is not known)
 AUTO = "auto"  # the adaptive budget
 SYNTAX = "ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
+
+
+def default_budget(device=None) -> int | str:
+    """A bare `ddtree`'s budget: DEFAULT_BUDGET on a GPU, where a 65-node verify costs about one plain step; `auto` on
+    a CPU, where a verify's cost grows with its nodes (SmolLM2 on the 2-core AVX2 EPYC: 65 nodes ~12x a plain
+    step, and `ddtree:64` 0.4x `ar`, while `auto` ran 0.9-1.3x). Its cost curve is measured on first use (~2 s
+    there) and cached on disk. device None (not known yet): DEFAULT_BUDGET."""
+    if device is None:
+        return DEFAULT_BUDGET
+    return AUTO if getattr(device, "type", str(device).split(":")[0]) == "cpu" else DEFAULT_BUDGET
 
 
 def parse_budget(value) -> int | str:
@@ -82,10 +92,10 @@ class MethodSpec:
         return self.budget == AUTO
 
     @classmethod
-    def parse(cls, method: "str | MethodSpec", budget=None) -> "MethodSpec":
-        """'ddtree:32' -> ddtree at 32 nodes. A bare 'ddtree' takes `budget` (None: DEFAULT_BUDGET); other methods
-        ignore it, but a bad `budget` is refused whatever the method."""
-        default = DEFAULT_BUDGET if budget is None else parse_budget(budget)
+    def parse(cls, method: "str | MethodSpec", budget=None, device=None) -> "MethodSpec":
+        """'ddtree:32' -> ddtree at 32 nodes. A bare 'ddtree' takes `budget` (None: default_budget(device)); other
+        methods ignore it, but a bad `budget` is refused whatever the method."""
+        default = default_budget(device) if budget is None else parse_budget(budget)
         if isinstance(method, MethodSpec):
             return method
         if not isinstance(method, str):
@@ -103,15 +113,16 @@ class MethodSpec:
         return cls(name, default if name == "ddtree" else None)
 
 
-def parse_methods(methods, budgets=None) -> list[MethodSpec]:
+def parse_methods(methods, budgets=None, device=None) -> list[MethodSpec]:
     """Methods as a comma-separated string or a list, `ar` first (it is the reference), duplicates dropped.
-    A bare `ddtree` expands to one spec per budget in `budgets` (comma-separated or a list; None: the default)."""
+    A bare `ddtree` expands to one spec per budget in `budgets` (comma-separated or a list; None:
+    default_budget(device))."""
     names = methods.split(",") if isinstance(methods, str) else list(methods)
     if isinstance(budgets, str):
         budgets = [b for b in budgets.split(",") if b.strip()]
         if not budgets:
             raise ConfigError("no budgets given: write e.g. 16,64,auto")
-    budget_list = [DEFAULT_BUDGET] if budgets is None else [parse_budget(b) for b in budgets]
+    budget_list = [default_budget(device)] if budgets is None else [parse_budget(b) for b in budgets]
     specs = [MethodSpec("ar")]
     for method in names:
         if isinstance(method, str) and not method.strip():

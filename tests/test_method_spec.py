@@ -6,7 +6,7 @@ import torch
 from ddtree.api import Pair
 from ddtree.config import ConfigError
 from ddtree.engine import AR, AdaptiveDDTree, DDTree, DFlash, make_method
-from ddtree.method_spec import DEFAULT_BUDGET, MethodSpec, parse_budget, parse_methods
+from ddtree.method_spec import AUTO, DEFAULT_BUDGET, MethodSpec, default_budget, parse_budget, parse_methods
 from ddtree.stats import StageTimer
 from ddtree.testing import random_pair
 
@@ -50,6 +50,22 @@ def test_parse_methods_expands_bare_ddtree_and_puts_ar_first():
     for budgets in ("0", "16,0", ",", "8,x"):
         with pytest.raises(ConfigError, match="budget"):
             parse_methods("ddtree", budgets)
+
+
+def test_bare_ddtree_defaults_to_auto_on_a_cpu_and_to_a_fixed_budget_elsewhere():
+    assert default_budget("cpu") == default_budget(torch.device("cpu")) == AUTO
+    assert default_budget("cuda:1") == default_budget(torch.device("cuda")) == DEFAULT_BUDGET
+    assert default_budget(None) == DEFAULT_BUDGET  # device not known yet
+    assert MethodSpec.parse("ddtree", device="cpu").adaptive
+    assert MethodSpec.parse("ddtree", 8, device="cpu").budget == 8  # an explicit budget wins
+    assert MethodSpec.parse("ddtree", device="cuda").budget == DEFAULT_BUDGET
+    assert [s.label for s in parse_methods("ddtree", device="cpu")] == ["ar", "ddtree:auto"]
+    assert [s.label for s in parse_methods("ddtree", "4", device="cpu")] == ["ar", "ddtree:4"]
+
+
+def test_a_cpu_pair_runs_a_bare_ddtree_with_the_adaptive_budget(pair):
+    assert isinstance(pair.method("ddtree"), AdaptiveDDTree)
+    assert type(pair.method("ddtree", 8)) is DDTree
 
 
 @pytest.fixture
