@@ -102,6 +102,21 @@ def packs(layers) -> bool:
 
 
 _version = operator.attrgetter("_version")
+_registrations = [0]  # parameters and submodules registered (or replaced) on any module so far
+
+
+def _count_registration(*_):
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+def registrations() -> int:
+    """Changes whenever any module gains or replaces a parameter or submodule (attribute assignment included): a
+    parameter list cached under this number is still the module's while the number is the same."""
+    return _registrations[0]
 
 
 def weights_key(params) -> tuple:

@@ -187,6 +187,11 @@ class DFlashDrafter(nn.Module):
         # (weights' identities and versions, the C++ layer stack built from them, a bf16 copy of the reduced head
         # where exact, the stack again where it has the context pass too)
         self._stack = (None, None, None, None)
+        self._params: tuple[int, list] = (-1, [])  # (cpu_stack.registrations() when listed, the weights the stack copies)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._params = (-1, [])  # .to() may put new Parameter objects in place without registering them
+        return super()._apply(fn, *args, **kwargs)
 
     # --- binding to the target --------------------------------------------------------------------------
     def bind(self, target) -> "DFlashDrafter":
@@ -265,8 +270,9 @@ class DFlashDrafter(nn.Module):
         visibility = self._visibility(positions, cache.length)
         if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
             h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
-            hidden, head = self.norm(h[1:]), self._stack[2]
-            return self.logits(hidden) if head is None else qlinear.kernel().bf16_linear(hidden.contiguous(), head)
+            kernel, head = qlinear.kernel(), self._stack[2]
+            hidden = kernel.rms_norm(h[1:], self.norm.weight, self.norm.eps)  # [length - 1, H]
+            return self.logits(hidden) if head is None else kernel.bf16_linear(hidden, head)
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             vis = visibility[i]
@@ -279,8 +285,10 @@ class DFlashDrafter(nn.Module):
         the q/k/v and gate/up weights concatenated (bfloat16 where exact, as for a drafter published in bf16), so
         it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()): the
         key is every parameter's identity, storage and version counter."""
-        params = [self.fc.weight, *self.layers.parameters(), *([self.lm_head.weight] if self.cfg.reduced_vocab else [])]
-        key = cpu_stack.weights_key(params)
+        if self._params[0] != cpu_stack.registrations():  # the list itself costs ~0.15 ms to walk, the key ~15 us
+            self._params = (cpu_stack.registrations(), [self.fc.weight, *self.layers.parameters(),
+                                                        *([self.lm_head.weight] if self.cfg.reduced_vocab else [])])
+        key = cpu_stack.weights_key(self._params[1])
         if self._stack[0] != key:
             stack = cpu_stack.build(self.cfg.model, self.layers)
             context = stack is not None and cpu_stack.add_context(stack, self.fc.weight, self.hidden_norm.weight,

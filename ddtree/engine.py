@@ -21,7 +21,7 @@ from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
 from .method_spec import MethodSpec
-from .sampling import choose
+from .sampling import argmax, choose
 from .stats import GenerationStats, StageTimer
 from .traces import step_record
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
@@ -96,7 +96,7 @@ class DFlash(Method):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
-            ids = logits.argmax(dim=-1)  # [length - 1] in the draft vocabulary
+            ids = argmax(logits)  # [length - 1] in the draft vocabulary
             tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
             return DraftTree(tokens, *chain_parents(length), draft_logits=logits, draft_ids=ids)
 

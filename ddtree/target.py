@@ -186,14 +186,14 @@ class TargetModel(nn.Module):
         self._follow_weights()
         h = self.embed(tokens)  # [N, H]
         cos, sin = self.rotary(positions, h.dtype)
+        norm = self.model.norm
         if cpu_stack.usable(self.stack, h.shape[0], backend, vis):  # all layers in one C++ call
             h, features = self.stack.forward(h, cos, sin, cache.k, cache.v, cache.length, vis.ancestors,
                                              list(tap_layers))
+            hidden = qlinear.kernel().rms_norm(h[-1:] if last_only else h, norm.weight, norm.eps)
         else:
             h, features = self._layers(h, cos, sin, cache, vis, tap_layers)
-        if last_only:
-            h = h[-1:]
-        hidden = self.model.norm(h)
+            hidden = norm(h[-1:] if last_only else h)
         logits = RowLogits(self, hidden) if row_logits else self.logits(hidden)
         return TargetOutput(logits, features if tap_layers else None)
 

@@ -193,6 +193,32 @@ def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
         drafter.layers[1].mlp.up_proj.weight.mul_(1.5)
     assert drafter.cpu_stack() is not first
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
+    # a parameter REPLACED (attribute assignment, not an in-place write): the cached parameter list is re-read
+    second = drafter.cpu_stack()
+    down = drafter.layers[0].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach() * -2.0)
+    assert drafter.cpu_stack() is not second
+    torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
+    third = drafter.cpu_stack()
+    assert drafter.cpu_stack() is third  # nothing changed: no rebuild
+
+
+def test_rms_norm_kernel_matches_the_eager_norm():
+    """The C++ final norm (target and drafter passes through the stack) against ddtree.layers.RMSNorm."""
+    from ddtree import qlinear
+    from ddtree.layers import RMSNorm
+
+    if not qlinear.cpu_kernel_available():
+        pytest.skip("no CPU kernel on this machine")
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=gen) + 0.5)
+    for rows in (1, 3, 17):
+        x = torch.randn(rows, 64, generator=gen) * 3
+        torch.testing.assert_close(qlinear.kernel().rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="rms_norm: w must be float32"):
+        qlinear.kernel().rms_norm(torch.randn(2, 64), torch.ones(32), 1e-6)
 
 
 def test_float_layers_are_row_invariant_on_two_threads():

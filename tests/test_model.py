@@ -95,3 +95,25 @@ def test_ar_equals_huggingface_generate(arch):
         ours = Pair(target, None, None).generate(prompt, method="ar", max_new_tokens=24).token_ids
         theirs, _ = hf_generate(hf, prompt, 24)
         assert ours == theirs
+
+
+def test_rotary_table_rows_equal_the_direct_computation():
+    """On a CPU, RoPE cos/sin come from a table grown on demand: every row must equal the direct computation for
+    any positions (a tree's repeated ones included), past the table's first size, in each dtype, and after the
+    inverse frequencies are replaced (.to() of the model)."""
+    from ddtree.layers import Rotary
+
+    target = random_target("qwen3", seed=0)
+    rotary = Rotary(target.cfg)
+    for positions in (torch.tensor([0]), torch.arange(5, 9), torch.tensor([7, 8, 8, 9, 9, 9]),
+                      torch.arange(Rotary.TABLE_MIN - 2, Rotary.TABLE_MIN + 3), torch.tensor([5000, 3])):
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = rotary(positions, dtype)
+            ref_cos, ref_sin = rotary._compute(positions, dtype)
+            assert cos.dtype == dtype and torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    positions = torch.arange(3, 6)
+    rotary.inv_freq = rotary.inv_freq * 0.5  # new values in a new tensor: the table must not be reused
+    assert torch.equal(rotary(positions, torch.float32)[0], rotary._compute(positions, torch.float32)[0])
+    with torch.no_grad():
+        rotary.inv_freq.mul_(3.0)  # and new values written in place
+    assert torch.equal(rotary(positions, torch.float32)[0], rotary._compute(positions, torch.float32)[0])

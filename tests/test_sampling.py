@@ -107,3 +107,26 @@ def test_processed_probs_top_k_top_p():
     assert (p[0, 2:] == 0).all() and p[0, 1] > 0  # the first token alone falls short of top_p
     p = processed_probs(logits, SamplingParams(1.0, top_p=0.01))
     assert p[0, 0] == 1.0
+
+
+def test_greedy_argmax_kernel_gives_torch_argmax():
+    """The greedy choice goes through the CPU kernel's argmax_rows on float32 CPU logits: torch.argmax's index on
+    every row, ties (the first maximum), infinities and NaNs (the first NaN) included."""
+    from ddtree import qlinear
+    from ddtree.sampling import argmax
+
+    if not qlinear.cpu_kernel_available():
+        pytest.skip("no CPU kernel on this machine")
+    gen = torch.Generator().manual_seed(0)
+    nan, inf = float("nan"), float("inf")
+    big = torch.randn(4, 49152, generator=gen)
+    big[1, 40000] = nan
+    big[2, 49151] = 1e9  # in the tail-free last block
+    big[3, 7], big[3, 49150] = 1e9, 1e9  # a tie: the first one
+    cases = [torch.tensor([[1.0, nan, 3.0, nan], [-inf] * 4, [2.0, 5.0, 5.0, 1.0], [inf, 1.0, inf, 0.0]]), big,
+             torch.randn(3, 13, generator=gen), torch.zeros(2, 100), torch.tensor([[-0.0, 0.0, -0.0]]),
+             torch.randint(0, 3, (6, 1037), generator=gen).float(), torch.randn(5, 8, generator=gen)[:, ::2]]
+    for logits in cases:
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1)), logits
+    with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+        qlinear.kernel().argmax_rows(torch.zeros(2, 0))

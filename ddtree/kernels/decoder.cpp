@@ -16,7 +16,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -472,9 +474,72 @@ class Stack {
   std::vector<Linear> ctx_kv;
 };
 
+// The final norm of a pass, rows [N, H] -> [N, H]: the stack's rmsnorm as one call, where torch's RMSNorm takes
+// ~6 dispatched ops (0.1-0.15 ms a pass for SmolLM2's target and drafter on the AVX2 EPYC).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.size(1) % 8 == 0,
+              "rms_norm: x must be float32 CPU [N, hidden] with hidden % 8 == 0");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.numel() == x.size(1), "rms_norm: w must be float32 [hidden]");
+  x = x.contiguous();
+  w = w.contiguous();
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t n = x.size(0), h = x.size(1);
+  for (int64_t i = 0; i < n; ++i)
+    rmsnorm(x.data_ptr<float>() + i * h, w.data_ptr<float>(), float(eps), h, out.data_ptr<float>() + i * h);
+  return out;
+}
+
+// argmax of each row of x [N, V]: torch.argmax's answer (the first maximum; a NaN counts as the maximum, the first
+// one), in a vectorized pass for the maximum and one for its first index. torch's reduction took ~130 us a row
+// over SmolLM2's 49,152 logits on the AVX2 EPYC: ~1% of a plain step, every step of every method.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.size(1) > 0,
+              "argmax_rows: x must be float32 CPU [N, V] with V > 0");
+  x = x.contiguous();
+  const int64_t n = x.size(0), v = x.size(1);
+  torch::Tensor out = torch::empty({n}, x.options().dtype(torch::kLong));
+  for (int64_t i = 0; i < n; ++i) {
+    const float* p = x.data_ptr<float>() + i * v;
+    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    __m256 nan = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= v; j += 8) {
+      const __m256 a = _mm256_loadu_ps(p + j);
+      top = _mm256_max_ps(top, a);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    float best = lanes[0];
+    for (int l = 1; l < 8; ++l) best = std::max(best, lanes[l]);
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (int64_t t = j; t < v; ++t) {
+      if (std::isnan(p[t])) has_nan = true;
+      else best = std::max(best, p[t]);
+    }
+    int64_t found = 0;
+    if (has_nan) {
+      while (!std::isnan(p[found])) ++found;
+    } else {
+      const __m256 b = _mm256_set1_ps(best);
+      int64_t k = 0;
+      for (; k + 8 <= v; k += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + k), b, _CMP_EQ_OQ));
+        if (mask) break;
+      }
+      while (p[k] != best) ++k;  // the first lane of the block that matched, or the tail
+      found = k;
+    }
+    out.data_ptr<int64_t>()[i] = found;
+  }
+  return out;
+}
+
 }  // namespace
 
 void bind_decoder(pybind11::module& mod) {
+  mod.def("argmax_rows", &argmax_rows, "x [N, V] float32 -> torch.argmax(x, -1) (first maximum; NaN first)");
+  mod.def("rms_norm", &rms_norm, "x [N, H], w [H], eps -> rmsnorm of each row (the stack's)");
   pybind11::class_<Stack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
            "intermediate, rms_norm_eps")
