@@ -26,11 +26,12 @@ import torch
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
-FORMAT = 5  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 6  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
 # 5: the draft pass timed at every length (budget="auto" drafts only as deep as its trees go)
+# 6: RoPE rows from a table, the final norms and the greedy argmax in C++: CPU drafts and steps got cheaper
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 

@@ -184,13 +184,12 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
-        # (weights' identities and versions, the C++ layer stack built from them, a bf16 copy of the reduced head
-        # where exact, the stack again where it has the context pass too)
+        # (a cpu_stack.WeightsWatch of the weights, the C++ layer stack built from them, a bf16 copy of the reduced
+        # head where exact, the stack again where it has the context pass too)
         self._stack = (None, None, None, None)
-        self._params: tuple[int, list] = (-1, [])  # (cpu_stack.registrations() when listed, the weights the stack copies)
 
     def _apply(self, fn, *args, **kwargs):
-        self._params = (-1, [])  # .to() may put new Parameter objects in place without registering them
+        self._stack = (None, None, None, None)  # .to() may put new Parameter objects in place unregistered
         return super()._apply(fn, *args, **kwargs)
 
     # --- binding to the target --------------------------------------------------------------------------
@@ -258,7 +257,7 @@ class DFlashDrafter(nn.Module):
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """One pass over [bonus, MASK x (length - 1)] at positions cache.length + [0, length).
         bonus: LongTensor [1]. Returns logits [length - 1, V] for block positions 1..length-1."""
-        stack = self.cpu_stack()  # once per draft: its weights' key costs ~0.1 ms
+        stack = self.cpu_stack()  # once per draft: are its copies still the weights'?
         self._flush(cache)
         length = length or self.block_size
         block = torch.full((length,), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
@@ -283,19 +282,16 @@ class DFlashDrafter(nn.Module):
     def cpu_stack(self):
         """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
         the q/k/v and gate/up weights concatenated (bfloat16 where exact, as for a drafter published in bf16), so
-        it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()): the
-        key is every parameter's identity, storage and version counter."""
-        if self._params[0] != cpu_stack.registrations():  # the list itself costs ~0.15 ms to walk, the key ~15 us
-            self._params = (cpu_stack.registrations(), [self.fc.weight, *self.layers.parameters(),
-                                                        *([self.lm_head.weight] if self.cfg.reduced_vocab else [])])
-        key = cpu_stack.weights_key(self._params[1])
-        if self._stack[0] != key:
+        it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()):
+        cpu_stack.WeightsWatch, asked on every draft."""
+        watch = self._stack[0]
+        if watch is None or watch.changed():
             stack = cpu_stack.build(self.cfg.model, self.layers)
             context = stack is not None and cpu_stack.add_context(stack, self.fc.weight, self.hidden_norm.weight,
                                                                   self.layers)
             # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes
             head = cpu_stack.bf16_copy(self.lm_head.weight) if stack is not None and self.cfg.reduced_vocab else None
-            self._stack = (key, stack, head, stack if context else None)
+            self._stack = (cpu_stack.WeightsWatch(self.parameters), stack, head, stack if context else None)
         return self._stack[1]
 
     def _visibility(self, positions: torch.Tensor, past_len: int) -> list[Visibility]:

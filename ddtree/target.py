@@ -65,7 +65,7 @@ class TargetModel(nn.Module):
         self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
         self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
         self.head_bf16: torch.Tensor | None = None  # the LM head as bf16 where its values all are (with the stack)
-        self._copies_of: tuple[list, tuple] | None = None  # (parameters, their key) when fuse() made copies
+        self._copies_of: cpu_stack.WeightsWatch | None = None  # of the weights, when fuse() made copies of them
         self.blocks = None  # ddtree.exact_blocks.ExactBlocks: GGUF blocks equal to the float weights, or None
 
     @property
@@ -92,8 +92,7 @@ class TargetModel(nn.Module):
                         fuse_layer(layer, transposed=True)
                 self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
             copies = self.head_t is not None or self.stack is not None
-            params = list(self.parameters())
-            self._copies_of = (params, cpu_stack.weights_key(params)) if copies else None
+            self._copies_of = cpu_stack.WeightsWatch(self.parameters) if copies else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
@@ -111,9 +110,9 @@ class TargetModel(nn.Module):
     def _follow_weights(self) -> None:
         """fuse() copies weights (transposes for 1-row GEMVs, the stack's packed and bf16 copies). A weight changed
         in place since (a test's surgery, load_state_dict) would leave 1-row and many-row passes on different
-        values, and the method's tokens no longer plain decoding's: re-make the copies then (~65 us per pass to
-        check 272 SmolLM2 parameters' version counters)."""
-        if self._copies_of is not None and cpu_stack.weights_key(self._copies_of[0]) != self._copies_of[1]:
+        values, and the method's tokens no longer plain decoding's: re-make the copies then (cpu_stack.WeightsWatch:
+        a few us per pass for SmolLM2's 272 parameters)."""
+        if self._copies_of is not None and self._copies_of.changed():
             self.blocks = None  # they were these weights' values, not the new ones'
             self.fuse()
 

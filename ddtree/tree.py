@@ -127,6 +127,13 @@ def walk(tree: DraftTree, ancestors: torch.Tensor | None, choices: torch.Tensor)
     """
     if tree.size == 1:
         return [0], choices.tolist()
+    if choices.device.type == "cpu":  # on the host already: one pass in tree order beats ~12 small tensor ops
+        return _walk_host(tree.parents.tolist(), tree.tokens.tolist(), choices.tolist())
+    return _walk_device(tree, ancestors, choices)
+
+
+def _walk_device(tree: DraftTree, ancestors: torch.Tensor, choices: torch.Tensor) -> tuple[list[int], list[int]]:
+    """walk() as tensor ops on the choices' device, then one transfer."""
     parents = torch.from_numpy(tree.parents).to(choices.device)
     depths = torch.from_numpy(tree.depths).to(choices.device)
     match = tree.tokens == choices[parents.clamp(min=0)]  # [N] node's token is its parent's choice
@@ -138,6 +145,23 @@ def walk(tree: DraftTree, ancestors: torch.Tensor | None, choices: torch.Tensor)
     while path[-1] != 0:
         path.append(int(tree.parents[path[-1]]))
     return path[::-1], host[1:]
+
+
+def _walk_host(parents: list[int], tokens: list[int], choices: list[int]) -> tuple[list[int], list[int]]:
+    """walk() on host lists: a node is on an accepted path when its parent is and its token is the parent's choice
+    (parents precede children); the path ends at the first deepest such node, as walk()'s argmax picks."""
+    ok, depth = [True] + [False] * (len(parents) - 1), [0] * len(parents)
+    end = 0
+    for i in range(1, len(parents)):
+        p = parents[i]
+        if ok[p] and tokens[i] == choices[p]:
+            ok[i], depth[i] = True, depth[p] + 1
+            if depth[i] > depth[end]:
+                end = i
+    path = [end]
+    while path[-1] != 0:
+        path.append(parents[path[-1]])
+    return path[::-1], choices
 
 
 def walk_drawn(tree: DraftTree, draw) -> tuple[list[int], list[int]]:

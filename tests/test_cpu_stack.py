@@ -322,3 +322,36 @@ def test_copies_follow_weights_written_in_place():
         positions = torch.arange(caches[0].length, caches[0].length + n)
         a, b = (t(tokens, positions, c, vis) for t, c in zip((late, early), caches))
         assert torch.equal(a.logits, b.logits), n
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c++", "python"])
+def test_weights_watch_sees_writes_repointing_and_replacement(native, monkeypatch):
+    """WeightsWatch decides when the stacks' copies are re-made: it must see an in-place write, `p.data = x`, and a
+    parameter replaced by attribute assignment, and nothing else (a false alarm only costs a rebuild; a miss would
+    decode with stale copies). Its C++ snapshot and the Python fallback answer alike."""
+    from ddtree import qlinear
+
+    if native and not qlinear.cpu_kernel_available():
+        pytest.skip("no CPU kernel on this machine")
+    if not native:
+        monkeypatch.setattr(qlinear, "cpu_kernel_available", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    watch = cpu_stack.WeightsWatch(model.parameters)
+    assert (watch.snapshot is not None) == native
+    assert not watch.changed()
+    torch.nn.Linear(3, 3)  # a registration elsewhere: a re-check of the identities, no alarm
+    assert not watch.changed()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert watch.changed()
+    watch.mark()
+    model[1].bias.data = torch.zeros(4)
+    assert watch.changed()
+    watch.mark()
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
+    assert watch.changed()
+    watch.mark()
+    model[0] = torch.nn.Linear(8, 8)
+    assert watch.changed()
+    watch.mark()
+    assert not watch.changed()

@@ -99,6 +99,25 @@ def test_walk_follows_matching_children():
     assert path == [0, 1]
 
 
+def test_host_walk_equals_the_tensor_walk_on_random_trees():
+    """walk() on CPU choices runs a host loop; on a GPU, tensor ops (_walk_device). Both must take the same path:
+    random best-first-shaped trees, choices that match many nodes, duplicate tokens among siblings included."""
+    from ddtree.tree import _walk_device
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (2, 3, 5, 9, 17, 40):
+        for trial in range(25):
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+            depths = [0] * n
+            for i in range(1, n):
+                depths[i] = depths[parents[i]] + 1
+            tokens = torch.randint(0, 3, (n,), generator=gen)
+            tree = DraftTree(tokens, np.asarray(parents, dtype=np.int64), np.asarray(depths, dtype=np.int64))
+            anc = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths))
+            choices = torch.randint(0, 3, (n,), generator=gen)
+            assert walk(tree, anc, choices) == _walk_device(tree, anc, choices), (parents, tokens, choices)
+
+
 def test_walk_single_node():
     tree = DraftTree(torch.tensor([4]), *chain_parents(1))
     assert walk(tree, None, torch.tensor([2])) == ([0], [2])
