@@ -149,8 +149,8 @@ class WeightsWatch:
 
 def weights_key(params) -> tuple:
     """What changes when a parameter is written in place or re-pointed (an optimizer step, load_state_dict, a
-    test's surgery): identity, storage and version counter. A stack holding copies is rebuilt when it changes.
-    Checked on every pass, so built by map() (C loops): ~3x faster than a generator over SmolLM2's 272."""
+    test's surgery): identity, storage and version counter. WeightsWatch's check where the C++ snapshot is not
+    available; built by map() (C loops): ~3x faster than a generator over SmolLM2's 272."""
     params = list(params)
     return tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, params)), tuple(map(_version, params))
 

@@ -30,8 +30,8 @@ SYNTAX = "ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draf
 
 def default_budget(device=None) -> int | str:
     """A bare `ddtree`'s budget: DEFAULT_BUDGET on a GPU, where a 65-node verify costs about one plain step; `auto` on
-    a CPU, where a verify's cost grows with its nodes (SmolLM2 on the 2-core AVX2 EPYC: 65 nodes ~12x a plain
-    step, and `ddtree:64` 0.4x `ar`, while `auto` ran 0.9-1.3x). Its cost curve is measured on first use (~2 s
+    a CPU, where a verify's cost grows with its nodes (SmolLM2 on the 2-core AVX2 EPYC, 2 prompts x 64 tokens per
+    evaluation set: a 65-node step ~20x a plain one, `ddtree:64` 0.12-0.21x `ar`, `auto` 1.00-1.24x). Its cost curve is measured on first use (~2 s
     there) and cached on disk. device None (not known yet): DEFAULT_BUDGET."""
     if device is None:
         return DEFAULT_BUDGET
