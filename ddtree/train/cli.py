@@ -1,9 +1,10 @@
-"""`python -m ddtree train {generate-data,fit,export}`: the drafter training recipe from the command line.
+"""`python -m ddtree train {generate-data,export-prompts,fit,export,probe}`: the drafter training recipe from the command line.
 
     python -m ddtree train generate-data --out data/smollm2-v2 --num-prompts 10000 --max-minutes 100
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --resume          # next 2-hour chunk
     python -m ddtree train export --run runs/l1 --out drafters/l1     # --force to replace a drafter there
+    python -m ddtree train probe --data data/smollm2-v5 --eval-sets humaneval,mt-bench,gsm  # acceptance, offline
 Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
 """
 from __future__ import annotations
@@ -316,6 +317,50 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_probe(args) -> int:
+    import random
+
+    from ..api import load
+    from ..datasets import load_prompts
+    from .data import read_records
+    from .probe import probe
+
+    budgets = [int(b) for b in args.budgets.split(",")]
+    if min(budgets) < 1 or max(budgets) > args.top_k:
+        raise ConfigError(f"--budgets must lie in 1..--top-k ({args.top_k}), got {args.budgets}")
+    if not args.data and not args.eval_sets:
+        raise ConfigError("nothing to probe: give --data DIR ... and/or --eval-sets humaneval,mt-bench,gsm")
+    pair = load(args.target, args.draft, args.device, args.dtype or "float32")
+    seqs = []
+    for d in args.data or []:  # greedy answers only: a sampled answer is not the target's continuation at T=0
+        recs = [r for r in read_records(d) if r.get("temperature", 0.0) == 0.0 and len(r["response_ids"]) >= 2
+                and (args.split == "all" or r["split"] == args.split)]
+        random.Random(0).shuffle(recs)
+        seqs += [(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["source"])
+                 for r in recs[: args.max_sequences]]
+    for name in (args.eval_sets.split(",") if args.eval_sets else []):
+        for text in load_prompts(name, args.num_prompts):  # measured on, never trained on
+            res = pair.generate(text, method="ar", max_new_tokens=args.max_new_tokens)
+            seqs.append((res.prompt_ids + res.token_ids, len(res.prompt_ids), name))
+    if not seqs:
+        raise ConfigError(f"no greedy {args.split} answers in {', '.join(args.data)}")
+    from tqdm import tqdm
+
+    bar = None if args.no_progress else tqdm(total=len(seqs), desc="probe", unit="answer", file=sys.stderr)
+    result = probe(pair.target, pair.drafter, seqs, budgets, args.top_k, bar.update if bar else None)
+    if bar:
+        bar.close()
+    print(f"drafter {getattr(pair.drafter, 'label', args.draft)}; {len(seqs)} answers; tau = 1 + mean accepted "
+          "length over every position, for best-first trees of each budget")
+    print("| group | positions | top-1 | " + " | ".join(f"tau @{b}" for b in budgets) + " |")
+    print("|---|---:|---:|" + "---:|" * len(budgets))
+    for g, r in sorted(result.items(), key=lambda kv: kv[0] == "all"):
+        print(f"| {g} | {r['positions']} | {r['top1']:.1%} | " + " | ".join(f"{r['tau'][b]:.3f}" for b in budgets) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddtree train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", required=True, help="data directory (resumes: finished chunks are skipped)")
     g.add_argument("--num-prompts", type=cli_int(1), default=10000)
     g.add_argument("--mix", help="source weights, e.g. sharegpt=0.35,codeio=0.25,stdlib=0.15,chat=0.12,math=0.13 "
-                   "(the default); sources: codeio, math, chat, stdlib, sharegpt")
+                   "(the default); sources: codeio, math, chat, stdlib, sharegpt, writing")
     g.add_argument("--prompts-file", help="JSONL prompts instead: {\"text\"}, {\"messages\"} or {\"ids\"} per line")
     g.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
     g.add_argument("--slots", type=cli_int(1), default=64, help="sequences decoded together (default: %(default)s)")
@@ -411,6 +456,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the run's generate-data directories: the model card (README.md) then lists them")
     e.add_argument("--name", help="title of the model card (default: the --out directory's name)")
     e.add_argument("--force", action="store_true", help="replace what --out holds (e.g. an earlier export)")
+    p = sub.add_parser("probe", help="a drafter's top-1 and tree acceptance at every position of greedy answers")
+    _target_args(p)
+    p.add_argument("--draft", help="drafter directory (default: the shipped one)")
+    p.add_argument("--data", nargs="+", metavar="DIR", help="generate-data directories: their greedy answers")
+    p.add_argument("--split", default="heldout", choices=("heldout", "train", "all"))
+    p.add_argument("--max-sequences", type=cli_int(1), default=400, help="per data directory (default: %(default)s)")
+    p.add_argument("--eval-sets", help="also the target's own greedy answers to these evaluation prompts "
+                   "(e.g. humaneval,mt-bench,gsm): measured on, never trained on")
+    p.add_argument("--num-prompts", type=cli_int(1), default=8, help="per evaluation set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=cli_int(1), default=96, help="per evaluation answer")
+    p.add_argument("--budgets", default="1,2,4,8,32", help="tree budgets (default: %(default)s)")
+    p.add_argument("--top-k", type=cli_int(1), default=32, help="ranks kept per depth (>= the largest budget)")
+    p.add_argument("--json", help="also write the result here")
+    p.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -420,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export,
-                "export-prompts": cmd_export_prompts}[args.command](args)
+                "export-prompts": cmd_export_prompts, "probe": cmd_probe}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

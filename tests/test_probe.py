@@ -1,0 +1,54 @@
+"""The offline acceptance probe: its tree walk by hand, and on the real pair against the engine's own steps."""
+import warnings
+
+import numpy as np
+import pytest
+
+from ddtree.train.probe import accepted_lengths, anchor_drafts
+
+
+def test_accepted_lengths_by_hand():
+    # depth 1: ranks 0/1 with p .6/.3; depth 2: .55/.4; depth 3: .9/.05. Best-first pop order (path probability):
+    # (0) .6, (0,0) .33, (1) .3, (0,0,0) .297, (0,1) .24
+    lp = np.log(np.array([[.6, .3], [.55, .4], [.9, .05]], dtype=np.float32))
+    budgets = [1, 2, 3, 4, 5]
+    assert accepted_lengths(lp, np.array([0, 0, 0]), budgets) == [1, 2, 2, 3, 3]
+    assert accepted_lengths(lp, np.array([1, 0, 0]), budgets) == [0, 0, 1, 1, 1]  # (1, 0) never pops here
+    assert accepted_lengths(lp, np.array([0, 1, 1]), budgets) == [1, 1, 1, 1, 2]
+    assert accepted_lengths(lp, np.array([2, 0, 0]), budgets) == [0] * 5  # the true token is outside the top-k
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("budget", [8, 16])
+def test_probe_accepts_what_decoding_accepts(budget):
+    """Decoding ddtree:budget greedily lands on some positions of the target's own answer; at each one the probe's
+    tree accepts exactly what the engine's step accepted. (From budget 7 on the engine drafts the whole block, as
+    the probe does; below it drafts budget + 1 positions, whose distributions differ slightly: engine.DDTree.)"""
+    import ddtree
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pair = ddtree.load(dtype="float32", device="cpu")
+    steps = 0
+    for prompt in ["Write a Python function that reverses a string.", "Describe a quiet harbor at dawn."]:
+        ref = pair.generate(prompt, method="ar", max_new_tokens=48)
+        run = pair.generate(prompt, method="ddtree", budget=budget, max_new_tokens=48)
+        assert run.token_ids == ref.token_ids
+        tokens, plen = ref.prompt_ids + ref.token_ids, len(ref.prompt_ids)
+        drafts = anchor_drafts(pair.target, pair.drafter, tokens, plen)
+        root = plen  # a step's root is the last committed token: first the prefill's, at position plen
+        for committed in run.stats.acceptance_lengths[:-1]:  # the last step may be cut by max_new_tokens
+            i = root - plen
+            assert accepted_lengths(drafts.logprobs[i], drafts.ranks[i], [budget]) == [committed - 1], root
+            root += committed
+            steps += 1
+    assert steps >= 20
+
+
+@pytest.mark.parametrize("argv, says", [(["--data", "x", "--budgets", "1,64"], "--budgets must lie in 1..--top-k"),
+                                        ([], "nothing to probe")])
+def test_probe_cli_rejects_bad_input_before_loading(argv, says, capsys):
+    from ddtree.train.cli import main
+
+    assert main(["probe", *argv]) == 2
+    assert says in capsys.readouterr().err
