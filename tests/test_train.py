@@ -123,6 +123,19 @@ def test_prompt_mix_is_deterministic_and_disjoint_from_evaluation():
     assert banned and not any(_shingles(p.messages[-1]["content"]) & banned for p in a)
 
 
+def test_writing_prompts_are_distinct_deterministic_and_in_the_mix():
+    from ddtree.train.prompts import SOURCES, _shingles, build_prompts, evaluation_shingles, writing_prompts
+
+    a, b = writing_prompts(300, seed=1), writing_prompts(300, seed=1)
+    assert [p.messages for p in a] == [p.messages for p in b] and len({p.key for p in a}) == 300
+    assert len({p.messages[0]["content"] for p in a}) == 300  # no request asked twice (greedy answers repeat)
+    assert [p.key for p in writing_prompts(300, seed=2)] != [p.key for p in a]
+    assert all(p.source == "writing" and p.messages[0]["content"][0].isupper() for p in a)
+    mixed = build_prompts(50, {"writing": 0.6, "math": 0.4}, seed=0)
+    assert sum(p.source == "writing" for p in mixed) == 30 and "writing" in SOURCES
+    banned = evaluation_shingles()  # whatever evaluation sets are installed; the filter drops any overlap
+    assert not any(_shingles(p.messages[0]["content"]) & banned for p in mixed)
+
 # --- data generation ------------------------------------------------------------------------------------------
 def _id_prompts(n, vocab, seed=0):
     gen = torch.Generator().manual_seed(seed)

