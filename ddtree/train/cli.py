@@ -322,7 +322,7 @@ def cmd_probe(args) -> int:
 
     from ..api import load
     from ..datasets import load_prompts
-    from .data import read_records
+    from .data import read_sequences
     from .probe import probe
 
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -333,11 +333,9 @@ def cmd_probe(args) -> int:
     pair = load(args.target, args.draft, args.device, args.dtype or "float32")
     seqs = []
     for d in args.data or []:  # greedy answers only: a sampled answer is not the target's continuation at T=0
-        recs = [r for r in read_records(d) if r.get("temperature", 0.0) == 0.0 and len(r["response_ids"]) >= 2
-                and (args.split == "all" or r["split"] == args.split)]
-        random.Random(0).shuffle(recs)
-        seqs += [(r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["source"])
-                 for r in recs[: args.max_sequences]]
+        greedy = [q for q in read_sequences(d, None if args.split == "all" else args.split) if q.temperature == 0.0]
+        random.Random(0).shuffle(greedy)
+        seqs += [(q.tokens, q.prompt_len, q.source) for q in greedy[: args.max_sequences]]
     for name in (args.eval_sets.split(",") if args.eval_sets else []):
         for text in load_prompts(name, args.num_prompts):  # measured on, never trained on
             res = pair.generate(text, method="ar", max_new_tokens=args.max_new_tokens)

@@ -148,6 +148,22 @@ def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, p
     return drafter.norm(h).view(a, b, -1)
 
 
+def target_to_draft(drafter) -> torch.Tensor | None:
+    """[target vocab] long: each target id's draft id, -1 outside the draft vocabulary (None: the full vocabulary,
+    ids are the same)."""
+    if not drafter.cfg.reduced_vocab:
+        return None
+    draft_ids = torch.arange(drafter.cfg.draft_vocab_size, device=drafter.d2t.device)
+    t2d = torch.full((drafter.cfg.model.vocab_size,), -1, dtype=torch.long, device=drafter.d2t.device)
+    t2d[draft_ids + drafter.d2t] = draft_ids
+    return t2d
+
+
+def draft_head(drafter, target) -> torch.Tensor:
+    """The LM head the drafter predicts with: its own over a reduced vocabulary, else the target's."""
+    return drafter.lm_head.weight if drafter.cfg.reduced_vocab else target.lm_head.weight
+
+
 class DraftLoss(nn.Module):
     """Wraps the drafter for training (and DistributedDataParallel): forward(one sequence) -> weighted loss.
     The target's embedding and LM head are used frozen; they are not submodules, so no optimizer sees them.
@@ -166,19 +182,14 @@ class DraftLoss(nn.Module):
         self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
         b = drafter.cfg.block_size
         self.register_buffer("weights", loss_weights(b, default_gamma(b) if gamma is None else gamma), persistent=False)
-        t2d = None
-        if drafter.cfg.reduced_vocab:  # target id -> draft id, -1 outside the draft vocabulary
-            draft_ids = torch.arange(drafter.cfg.draft_vocab_size, device=drafter.d2t.device)
-            t2d = torch.full((drafter.cfg.model.vocab_size,), -1, dtype=torch.long, device=drafter.d2t.device)
-            t2d[draft_ids + drafter.d2t] = draft_ids
-        self.register_buffer("t2d", t2d, persistent=False)
+        self.register_buffer("t2d", target_to_draft(drafter), persistent=False)
 
     @property
     def target(self):
         return self._frozen[0]
 
     def _head(self) -> torch.Tensor:
-        return self.drafter.lm_head.weight if self.drafter.cfg.reduced_vocab else self.target.lm_head.weight
+        return draft_head(self.drafter, self.target)
 
     def _to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.t2d is None else self.t2d[ids]

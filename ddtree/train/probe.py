@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..tree import best_first_nodes
-from .model import block_inputs, drafter_block_hidden, target_features
+from .model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
 
 
 @dataclass
@@ -42,13 +42,11 @@ def anchor_drafts(target, drafter, tokens: list[int], prompt_len: int, k: int = 
     anchors = torch.arange(max(1, prompt_len), ids.numel() - 1, device=ids.device)
     block, positions, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id)
     hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
-    head = drafter.lm_head.weight if cfg.reduced_vocab else target.lm_head.weight
+    head = draft_head(drafter, target)
     logprobs = (hidden[:, 1:] @ head.to(hidden.dtype).T).float().log_softmax(dim=-1)  # [A, B-1, draft vocab]
     top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    if cfg.reduced_vocab:  # the true tokens as draft ids: -1 outside the draft vocabulary
-        t2d = torch.full((cfg.model.vocab_size,), -1, dtype=torch.long, device=ids.device)
-        t2d[drafter.d2t + torch.arange(cfg.draft_vocab_size, device=ids.device)] = \
-            torch.arange(cfg.draft_vocab_size, device=ids.device)
+    t2d = target_to_draft(drafter)
+    if t2d is not None:  # the true tokens as draft ids: -1 outside the draft vocabulary
         labels = torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
     hit = (top.indices == labels[..., None]) & (labels[..., None] >= 0)  # [A, B-1, k]
     ranks = torch.where(hit.any(-1), hit.int().argmax(-1), top.indices.shape[-1])
@@ -58,8 +56,7 @@ def anchor_drafts(target, drafter, tokens: list[int], prompt_len: int, k: int = 
 def accepted_lengths(logprobs: np.ndarray, ranks: np.ndarray, budgets) -> list[int]:
     """One position: the draft tokens accepted by the best-first tree of each budget (the engine's own build over
     the top-k ranks, which carry the same scores), given the true ranks [B-1]."""
-    _, _, pops, _ = _nodes(logprobs, max(budgets))
-    index = {path: i for i, path in enumerate(pops)}
+    index = {path: i for i, path in enumerate(_rank_paths(logprobs, max(budgets)))}
     order, path = [], ()
     for r in ranks.tolist():  # the true continuation's node at each depth, while the tree has it
         path = path + (r,)
@@ -69,13 +66,13 @@ def accepted_lengths(logprobs: np.ndarray, ranks: np.ndarray, budgets) -> list[i
     return [sum(i < b for i in order) for b in budgets]  # a parent pops before its children: a prefix per budget
 
 
-def _nodes(logprobs: np.ndarray, budget: int):
-    """best_first_nodes over a [depth, k] rank table, with each node named by its path of ranks."""
-    parents, depths, tokens, scores = best_first_nodes(torch.from_numpy(np.ascontiguousarray(logprobs)), budget)
+def _rank_paths(logprobs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """best_first_nodes over a [depth, k] rank table: each drafted node, in pop order, named by its path of ranks."""
+    parents, _, tokens, _ = best_first_nodes(torch.from_numpy(np.ascontiguousarray(logprobs)), budget)
     paths = [()]
     for p, t in zip(parents[1:].tolist(), tokens):
         paths.append(paths[p] + (t,))
-    return parents, depths, paths[1:], scores
+    return paths[1:]
 
 
 def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, progress=None) -> dict:
