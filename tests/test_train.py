@@ -136,6 +136,24 @@ def test_writing_prompts_are_distinct_deterministic_and_in_the_mix():
     banned = evaluation_shingles()  # whatever evaluation sets are installed; the filter drops any overlap
     assert not any(_shingles(p.messages[0]["content"]) & banned for p in mixed)
 
+
+def test_complete_prompts_cut_functions_after_their_docstring():
+    import ast
+
+    from ddtree.train.prompts import SOURCES, build_prompts, complete_prompts
+
+    a = complete_prompts(max_files=200)
+    assert a and [p.key for p in a] == [p.key for p in complete_prompts(max_files=200)]
+    assert len({p.key for p in a}) == len(a) and "complete" in SOURCES
+    for p in a:
+        text = p.messages[0]["content"]
+        code = text.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        fn = ast.parse(code + "    pass\n").body[0]  # a signature + docstring: a body must still be written
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(fn)
+        assert len(fn.body) == 2 and p.source == "complete"
+    mixed = build_prompts(20, {"complete": 0.5, "math": 0.5}, seed=0)
+    assert sum(p.source == "complete" for p in mixed) == 10
+
 # --- data generation ------------------------------------------------------------------------------------------
 def _id_prompts(n, vocab, seed=0):
     gen = torch.Generator().manual_seed(seed)

