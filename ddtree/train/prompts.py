@@ -163,8 +163,9 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "turtledem
 
 
 def _stdlib_functions(max_files: int = 2000):
-    """(key, function node, its source lines, its dedented code) for the public, documented functions of up to
-    60 lines (150-1800 characters) of the Python standard library's own source, in a fixed order."""
+    """(key, function node, its source lines, its dedented code, its docstring) for the public, documented
+    functions of up to 60 lines (150-1800 characters) of the Python standard library's own source, in a fixed
+    order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py")
                    if not any(part in _SKIP_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
@@ -178,23 +179,25 @@ def _stdlib_functions(max_files: int = 2000):
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
-            if not ast.get_docstring(node) or node.end_lineno - node.lineno > 60:
+            doc = ast.get_docstring(node)
+            if not doc or node.end_lineno - node.lineno > 60:
                 continue
             code = textwrap.dedent("".join(lines[node.lineno - 1:node.end_lineno])).strip()
             if 150 <= len(code) <= 1800:
-                yield f"{path.relative_to(root)}:{node.name}:{node.lineno}", node, lines, code
+                yield f"{path.relative_to(root)}:{node.name}:{node.lineno}", node, lines, code, doc
 
 
 def stdlib_prompts(max_files: int = 2000) -> list[Prompt]:
     out = []
-    for key, node, _, code in _stdlib_functions(max_files):
+    for key, node, _, code, doc in _stdlib_functions(max_files):
         key = f"stdlib/{key}"
         kind = random.Random(key).choice(["explain", "implement", "tests", "review"])
         if kind == "explain":
             text = f"Explain what this function does:\n\n```python\n{code}\n```"
         elif kind == "implement":
             args = ", ".join(a.arg for a in node.args.args)
-            text = f"Write a Python function `{node.name}({args})`. {ast.get_docstring(node).split(chr(10) * 2)[0].strip()}"
+            summary = doc.split("\n\n")[0].strip()
+            text = f"Write a Python function `{node.name}({args})`. {summary}"
         elif kind == "tests":
             text = f"Write a few unit tests for this Python function:\n\n```python\n{code}\n```"
         else:
@@ -212,7 +215,7 @@ def complete_prompts(max_files: int = 2000) -> list[Prompt]:
     """Standard-library functions cut after their docstring (the body, of at least two statements, left to the
     target): the shape of a code-completion request, from code disjoint from any evaluation set."""
     out = []
-    for key, node, lines, _ in _stdlib_functions(max_files):
+    for key, node, lines, _, _ in _stdlib_functions(max_files):
         if len(node.body) < 3 or node.decorator_list:  # the docstring + at least two statements to write
             continue
         head = textwrap.dedent("".join(lines[node.lineno - 1:node.body[0].end_lineno]))
@@ -399,6 +402,9 @@ def evaluation_shingles() -> set[str]:
     return out
 
 
+_GENERATED = {"math": math_prompts, "writing": writing_prompts}  # (n, seed) -> n prompts from templates
+
+
 def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: int = 0) -> list[Prompt]:
     """`num_prompts` prompts drawn from the sources in proportion to `mix`, deterministically shuffled."""
     mix = dict(DEFAULT_MIX if mix is None else mix)
@@ -412,10 +418,11 @@ def build_prompts(num_prompts: int, mix: dict[str, float] | None = None, seed: i
     banned = evaluation_shingles()
     pools = {}
     for name in counts:
-        pool = math_prompts(max(counts[name], 1) * 2, seed) if name == "math" else \
-            writing_prompts(max(counts[name], 1) * 2, seed) if name == "writing" else \
-            {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
-             "sharegpt": sharegpt_prompts, "complete": complete_prompts}[name]()
+        if name in _GENERATED:  # template sources: twice the count asked, for the overlap filter to drop from
+            pool = _GENERATED[name](max(counts[name], 1) * 2, seed)
+        else:
+            pool = {"codeio": codeio_prompts, "chat": chat_prompts, "stdlib": stdlib_prompts,
+                    "sharegpt": sharegpt_prompts, "complete": complete_prompts}[name]()
         pool = [p for p in pool if not (_shingles(" ".join(m["content"] for m in p.messages) + " " +
                                                   (p.follow_up or "")) & banned)]
         random.Random(f"{name}:{seed}").shuffle(pool)
