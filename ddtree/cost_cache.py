@@ -1,8 +1,8 @@
 """The adaptive budget's verify-cost curve, measured once per machine and kept on disk.
 
 Measuring it (`budget.calibrate`) costs a few seconds on a GPU and up to tens of seconds on a 2-core CPU, so
-it is done once per (machine, target shape, drafter shape and block, dtype, device, threads, attention
-backend, torch version): everything the timings depend on, and nothing they do not (the weights' values).
+it is done once per (machine, target shape, drafter shape, block and weight storage, dtype, device, threads,
+attention backend, torch version): everything the timings depend on, and nothing they do not (the weights' values).
 That key is stored in the file beside the curve:
 
     $DDTREE_CACHE/verify-costs/<sha1 of the key>.json
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_stack
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
@@ -60,6 +61,7 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                         t.num_kv_heads, t.head_dim],
                 drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
                          len(drafter.cfg.target_layer_ids)],
+                drafter_storage=cpu_stack.storage(drafter.layers[0].mlp.gate_proj.weight),  # q8 / bf16 / float32
                 block_size=block_size, max_nodes=max_nodes,
                 **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
                 **({"cpu_layers": True} if getattr(target, "stack", None) is not None else {}),  # cpu_stack.py

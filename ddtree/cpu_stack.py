@@ -29,10 +29,10 @@ def build(cfg, layers, blocks=None) -> object | None:
     """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`), or None when
     it cannot take them: not float32 on a CPU, a shape the C++ does not cover, or no kernel. Fused layers (a
     target after fuse() or quantize_target()) lend it their weights; separate q/k/v and gate/up projections (the
-    drafter) are concatenated into copies. Weights whose values are all bfloat16 are copied as bfloat16 (see
-    bf16_if_exact), and float32 weights get packed copies (qlinear.pack_rows, up to PACK_MAX_BYTES). A stack
-    holding copies must be rebuilt when the weights change: the drafter and the target check their parameters'
-    version counters on every pass and rebuild it. blocks: per layer, its (qkv, o, gate_up, down) as
+    drafter) are concatenated into copies. Weights whose values are all bfloat16 values, or 8-bit blocks with
+    power-of-two scales, are copied in that form (compact_copy), other float32 weights get packed copies
+    (qlinear.pack_rows, up to PACK_MAX_BYTES). A stack holding copies must be rebuilt when the weights change: the
+    drafter and the target check their parameters' version counters on every pass and rebuild it. blocks: per layer, its (qkv, o, gate_up, down) as
     ddtree.qlinear.QWeights that dequantize EXACTLY to the float weights (None where there is none), from
     ddtree.exact_blocks; passes of up to exact_blocks.LAYER_MAX_ROWS rows read those instead (same bits)."""
     params = [p for layer in layers for p in layer.parameters()]
@@ -53,8 +53,9 @@ def build(cfg, layers, blocks=None) -> object | None:
         else:
             gate_up, gate_up_t = _cat(mlp.gate_proj, mlp.up_proj), None
         # float32 weights that are all bfloat16 values (a checkpoint published in bf16, run in fp32) stream as bf16
-        # copies, widened exactly in registers: half the bytes, and every row count takes the row kernel
-        weights = tuple(bf16_if_exact(w) if isinstance(w, torch.Tensor) else w
+        # copies, widened exactly in registers, or as 8-bit blocks where they are power-of-two-scaled 8-bit values
+        # (compact_copy): a half or a quarter of the bytes, and every row count takes the row kernel
+        weights = tuple(compact_if_exact(w) if isinstance(w, torch.Tensor) else w
                         for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight))
         if not all(_coverable(w) for w in weights):
             return None
@@ -78,15 +79,15 @@ def build(cfg, layers, blocks=None) -> object | None:
 
 def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers) -> bool:
     """Give a drafter's stack its context pass (DecoderStack.context, DFlash's KV injection): the fc weight
-    [H, taps * H], hidden_norm's weight [H], and per layer its k_proj and v_proj concatenated (bfloat16 copies where
+    [H, taps * H], hidden_norm's weight [H], and per layer its k_proj and v_proj concatenated (compact copies where
     exact, like build()'s). False, and no context pass, where a weight is not one the stack covers."""
     kv = []
     for layer in layers:
         attn = layer.self_attn
-        weight = bf16_if_exact(_cat(attn.k_proj, attn.v_proj))
+        weight = compact_if_exact(_cat(attn.k_proj, attn.v_proj))
         bias = None if attn.k_proj.bias is None else _cat_bias(attn.k_proj, attn.v_proj)
         kv.append((weight, bias))
-    fc = bf16_if_exact(fc)
+    fc = compact_if_exact(fc)
     if not all(_coverable(w) for w, _ in kv) or not _coverable(fc):
         return False
     ids = [_add(stack, weight, None, bias, False) for weight, bias in kv]
@@ -182,10 +183,38 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), w) else None
 
 
-def bf16_if_exact(weight: torch.Tensor) -> torch.Tensor:
-    """bf16_copy(weight) where there is one, else the weight."""
-    half = bf16_copy(weight)
-    return weight.detach() if half is None else half
+def compact_copy(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor | None:
+    """The copy of a float32 weight [N, K] that the kernel reads with the fewest bytes and the weight's own bits:
+    8-bit blocks with power-of-two scales (qlinear.po2_q8; 8.5 bits a weight) where its values are exactly such
+    blocks (a drafter rounded by `train quantize`), else bfloat16 (16 bits) where they are all bf16 values (bf16_copy),
+    else None. A drafter's pass reads its weights from memory after every target pass has evicted them: on the 2-core
+    AVX2 EPYC the shipped drafter's ~26 MB of bf16 took ~3.7 ms a draft (~9 GB/s, 1 thread), so bytes are its time."""
+    if weight.dtype != torch.float32:
+        return None
+    return qlinear.po2_q8(weight) or bf16_copy(weight)
+
+
+def compact_if_exact(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor:
+    """compact_copy(weight) where there is one, else the weight."""
+    copy = compact_copy(weight)
+    return weight.detach() if copy is None else copy
+
+
+def storage(weight: torch.Tensor) -> str:
+    """What a CPU pass streams of `weight`: 'q8' or 'bf16' where compact_copy() makes such a copy, else its dtype.
+    A drafter's pass costs more in bf16 than in 8-bit blocks, so the adaptive budget's cost curve is kept per storage
+    (cost_cache.cost_key)."""
+    copy = compact_copy(weight)
+    if copy is None:
+        return str(weight.dtype).removeprefix("torch.")
+    return "q8" if isinstance(copy, qlinear.QWeight) else "bf16"
+
+
+def compact_linear(x: torch.Tensor, copy: qlinear.QWeight | torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ the weight that compact_copy() made `copy` of, transposed: its bits, through the kernel."""
+    if isinstance(copy, qlinear.QWeight):
+        return copy.matmul(x)
+    return qlinear.kernel().bf16_linear(x.contiguous(), copy)
 
 
 def _coverable(weight) -> bool:

@@ -184,8 +184,8 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
-        # (a cpu_stack.WeightsWatch of the weights, the C++ layer stack built from them, a bf16 copy of the reduced
-        # head where exact, the stack again where it has the context pass too)
+        # (a cpu_stack.WeightsWatch of the weights, the C++ layer stack built from them, a compact copy of the
+        # reduced head where exact (cpu_stack.compact_copy), the stack again where it has the context pass too)
         self._stack = (None, None, None, None)
 
     def _apply(self, fn, *args, **kwargs):
@@ -269,9 +269,9 @@ class DFlashDrafter(nn.Module):
         visibility = self._visibility(positions, cache.length)
         if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
             h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
-            kernel, head = qlinear.kernel(), self._stack[2]
-            hidden = kernel.rms_norm(h[1:], self.norm.weight, self.norm.eps)  # [length - 1, H]
-            return self.logits(hidden) if head is None else kernel.bf16_linear(hidden, head)
+            head = self._stack[2]
+            hidden = qlinear.kernel().rms_norm(h[1:], self.norm.weight, self.norm.eps)  # [length - 1, H]
+            return self.logits(hidden) if head is None else cpu_stack.compact_linear(hidden, head)
         for i, layer in enumerate(self.layers):
             # the block's K/V are written as pending rows after the context: dropped, never committed
             vis = visibility[i]
@@ -281,7 +281,7 @@ class DFlashDrafter(nn.Module):
 
     def cpu_stack(self):
         """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
-        the q/k/v and gate/up weights concatenated (bfloat16 where exact, as for a drafter published in bf16), so
+        the q/k/v and gate/up weights concatenated (8-bit blocks or bfloat16 where exact: cpu_stack.compact_copy), so
         it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()):
         cpu_stack.WeightsWatch, asked on every draft."""
         watch = self._stack[0]
@@ -289,8 +289,8 @@ class DFlashDrafter(nn.Module):
             stack = cpu_stack.build(self.cfg.model, self.layers)
             context = stack is not None and cpu_stack.add_context(stack, self.fc.weight, self.hidden_norm.weight,
                                                                   self.layers)
-            # the reduced head as bfloat16 where exact (the shipped drafter's): half the bytes
-            head = cpu_stack.bf16_copy(self.lm_head.weight) if stack is not None and self.cfg.reduced_vocab else None
+            # the reduced head as 8-bit blocks or bfloat16 where exact (the shipped drafter's): fewer bytes, same bits
+            head = cpu_stack.compact_copy(self.lm_head.weight) if stack is not None and self.cfg.reduced_vocab else None
             self._stack = (cpu_stack.WeightsWatch(self.parameters), stack, head, stack if context else None)
         return self._stack[1]
 

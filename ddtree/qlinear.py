@@ -189,6 +189,48 @@ class QWeight:
         return y.view(*lead, -1)
 
 
+def po2_q8(weight: torch.Tensor, exact: bool = True) -> QWeight | None:
+    """Q8_0 blocks whose scales are powers of two, for a float weight [N, K] (K % 64 == 0): per block of 32 along
+    K, d = the smallest power of two with every |w| <= 127 d, and q = w / d rounded to the nearest integer.
+
+    Why powers of two: d * q is then exact in bfloat16 as well as float32 (q has at most 7 significant bits), so a
+    weight made of such values (round_po2_q8: a drafter exported with `train quantize`, stored as bf16 like any
+    published drafter) is read back from these blocks with its own bits at 8.5 bits a weight instead of bf16's 16,
+    and the kernel sums in one order whatever the format (kernels/qlinear.cpp): the same products, bit for bit.
+    exact=True: the blocks only where they dequantize to exactly `weight` (else None); False: the rounded blocks."""
+    if weight.dim() != 2 or weight.shape[1] % 64 or not weight.is_floating_point() or weight.shape[0] == 0:
+        return None
+    w = weight.detach().float()
+    if exact and po2_q8(w[:1], exact=False).dequantize().ne(w[:1]).any():
+        return None  # the first row decides most weights without quantizing the rest
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)  # [N, K / 32]
+    e = torch.ceil(torch.log2(amax.double() / 127)).nan_to_num(0, 0, 0).clamp(-140, 127).to(torch.int32)
+    # log2 is rounded: step the exponent to the exact smallest one with amax <= 127 * 2^e (power-of-two products
+    # and comparisons are exact)
+    e = e + (amax > 127 * torch.ldexp(torch.ones_like(amax), e)).int()
+    e = e - (amax <= 127 * torch.ldexp(torch.ones_like(amax), e - 1)).int() * (amax > 0).int()
+    d = torch.ldexp(torch.ones_like(amax), e)
+    q = blocks / d[..., None]
+    if exact and not torch.equal(q, q.round()):
+        return None
+    q8 = QWeight("Q8_0", q.round().clamp(-127, 127).to(torch.int8).reshape(n, k).contiguous(), d.contiguous())
+    if exact and not torch.equal(q8.dequantize(), w):  # subnormal corners: trust the dequantized values alone
+        return None
+    return q8
+
+
+def round_po2_q8(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] rounded to the nearest values of power-of-two-scaled 8-bit blocks (po2_q8), in its dtype:
+    every value is exact in bfloat16, so a bf16 checkpoint keeps them and the CPU kernel reads them as 8-bit blocks."""
+    blocks = po2_q8(weight, exact=False)
+    if blocks is None:
+        raise ValueError(f"round_po2_q8 needs a float weight [N, K] with K % 64 == 0, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    return blocks.dequantize().to(weight.dtype)
+
+
 class QLinear(nn.Module):
     """A bias-free or biased linear layer on a QWeight (no parameters of its own: inference only)."""
 

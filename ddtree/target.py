@@ -64,7 +64,7 @@ class TargetModel(nn.Module):
         self.head_t: torch.Tensor | None = None  # lm_head.weight.T contiguous [H, V] (fuse(); fp32 CPU only)
         self.quant: str | None = None  # e.g. "gguf Q4_1/Q8_0": linears on a GGUF's blocks (ddtree/quant_target.py)
         self.stack = None  # the layers as one C++ call (ddtree/cpu_stack.py; float32 CPU, set by fuse()), or None
-        self.head_bf16: torch.Tensor | None = None  # the LM head as bf16 where its values all are (with the stack)
+        self.head_compact = None  # the LM head as 8-bit blocks or bf16 where its values all are (cpu_stack.compact_copy)
         self._copies_of: cpu_stack.WeightsWatch | None = None  # of the weights, when fuse() made copies of them
         self.blocks = None  # ddtree.exact_blocks.ExactBlocks: GGUF blocks equal to the float weights, or None
 
@@ -90,13 +90,13 @@ class TargetModel(nn.Module):
                 if packed and self.stack is None and self.head_t is not None:
                     for layer in self.model.layers:
                         fuse_layer(layer, transposed=True)
-                self.head_bf16 = cpu_stack.bf16_copy(self.lm_head.weight) if self.stack is not None else None
+                self.head_compact = cpu_stack.compact_copy(self.lm_head.weight) if self.stack is not None else None
             copies = self.head_t is not None or self.stack is not None
             self._copies_of = cpu_stack.WeightsWatch(self.parameters) if copies else None
         else:
             for layer in self.model.layers:
                 unfuse_layer(layer)
-            self.head_t = self.stack = self.head_bf16 = self._copies_of = self.blocks = None
+            self.head_t = self.stack = self.head_compact = self._copies_of = self.blocks = None
         return self
 
     def attach_blocks(self, blocks) -> None:
@@ -167,8 +167,8 @@ class TargetModel(nn.Module):
         if (head is not None and hidden.dim() == 2 and hidden.shape[0] <= exact_blocks.HEAD_MAX_ROWS
                 and not (torch.is_grad_enabled() and hidden.requires_grad)):
             return head.matmul(hidden.contiguous())  # exact blocks (ddtree/exact_blocks.py): same bits, fewer bytes
-        if self.head_bf16 is not None and hidden.dim() == 2 and not (torch.is_grad_enabled() and hidden.requires_grad):
-            return qlinear.kernel().bf16_linear(hidden.contiguous(), self.head_bf16)  # same bits, half the bytes
+        if self.head_compact is not None and hidden.dim() == 2 and not (torch.is_grad_enabled() and hidden.requires_grad):
+            return cpu_stack.compact_linear(hidden, self.head_compact)  # same bits, fewer bytes
         return project(hidden, self.lm_head.weight, self.head_t)  # head_t: a 1-row fast path (ddtree.fused)
 
     def new_cache(self, capacity: int) -> KVCache:

@@ -55,10 +55,23 @@ def test_another_configuration_measures_again(folder, counted, monkeypatch):
     assert len(counted) == 4 and len(list(folder.glob("*.json"))) == 4
 
 
-def test_weights_do_not_matter(folder, counted):
+def test_weights_do_not_matter_their_storage_does(folder, counted):
+    """Other values of the same shapes share a curve; a drafter whose CPU passes stream 8-bit blocks or bf16 copies
+    (cpu_stack.compact_copy: fewer bytes, cheaper drafts) gets one of its own."""
+    from ddtree.qlinear import round_po2_q8
+
     a, da = random_pair("llama", seed=5, block_size=8)
     b, db = random_pair("llama", seed=6, block_size=8)
     assert cost_cache.cost_key(a, da, 8, 257) == cost_cache.cost_key(b, db, 8, 257)
+    assert cost_cache.cost_key(a, da, 8, 257)["drafter_storage"] == "float32"
+    storages = []
+    for rounding in (lambda w: w.bfloat16().float(), round_po2_q8):
+        with torch.no_grad():
+            for p in db.parameters():
+                if p.dim() == 2:
+                    p.copy_(rounding(p))
+        storages.append(cost_cache.cost_key(b, db, 8, 257)["drafter_storage"])
+    assert storages == ["bf16", "q8"]
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"key": {"other": 1}, "sizes": [1], "verify_seconds": [0.1], '

@@ -258,6 +258,34 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     assert torch.equal(drafter.draft(fresh, bonus), half)
 
 
+def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypatch):
+    """A drafter rounded to power-of-two-scaled 8-bit blocks (`train quantize`) gets Q8_0 copies in its stack (layers
+    and context pass) and head: their draft logits equal those of bf16 copies of the same values bit for bit."""
+    from ddtree import qlinear
+
+    target = random_target("llama", seed=4, init_scale=0.25)
+    drafter = untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.copy_(qlinear.round_po2_q8(p))
+    features = torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
+    cache = drafter.new_cache(64)
+    drafter.add_context(cache, features)
+    bonus, lengths = torch.tensor([7]), (2, 3, 5, 8)
+    q8 = [drafter.draft(cache, bonus, length) for length in lengths]
+    assert isinstance(drafter._stack[2], qlinear.QWeight) and drafter._stack[2].kind == "Q8_0"
+    assert drafter._stack[3] is drafter.cpu_stack()
+    monkeypatch.setattr(qlinear, "po2_q8", lambda w, exact=True: None)  # bf16 copies of the same values
+    drafter._stack = (None, None, None, None)
+    fresh = drafter.new_cache(64)  # the context on bf16 copies too
+    drafter.add_context(fresh, features)
+    for length, logits in zip(lengths, q8):
+        assert torch.equal(drafter.draft(cache, bonus, length), logits)
+        assert torch.equal(drafter.draft(fresh, bonus, length), logits)
+    assert drafter._stack[2].dtype == torch.bfloat16
+
+
 def test_drafter_context_through_the_stack_matches_eager():
     """The drafter's context pass (fc, hidden_norm, then every layer's k/v projection, k_norm and RoPE into its
     cache) as one C++ call equals the eager ops' K/V within float32 rounding, at the cache rows after a past."""
@@ -299,7 +327,7 @@ def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():
     fast, ref, _, _ = both_paths(target, cache, tokens, Visibility.causal(past, n, "cpu"))
     torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
     assert_steps_equal_chain(target, cache, tokens, threads=1)  # the LM head as bf16 too (tied: the embedding)
-    assert target.head_bf16 is not None and random_target("llama", seed=8).head_bf16 is None
+    assert target.head_compact is not None and random_target("llama", seed=8).head_compact is None
 
 
 def test_copies_follow_weights_written_in_place():

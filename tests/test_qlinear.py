@@ -251,6 +251,33 @@ def test_bf16_kernel_equals_the_float32_kernel_on_the_widened_weights():
         kernel().bf16_linear(torch.randn(1, 96), torch.zeros(4, 96, dtype=torch.bfloat16))
 
 
+def test_power_of_two_q8_blocks_are_exact_in_bf16_and_sum_as_bf16():
+    """po2_q8: per block of 32, d = the smallest power of two with |w| <= 127 d. The rounded values are bfloat16
+    values, the blocks of a rounded weight dequantize to it exactly (and to nothing else: a weight that is not such
+    values has none), and q8_0_linear over them equals bf16_linear over the same values bit for bit, any rows."""
+    from ddtree.qlinear import kernel, po2_q8, round_po2_q8
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 128, generator=gen) * torch.logspace(-4, 1, 40).unsqueeze(1)  # scales far apart
+    w[3, :32] = 0  # an all-zero block
+    w[5, 40] = 127 * 2.0 ** -6  # a block whose largest value is exactly 127 d
+    r = round_po2_q8(w)
+    q = po2_q8(r)
+    assert q is not None and torch.equal(q.dequantize(), r) and torch.equal(r.bfloat16().float(), r)
+    assert q.d[5, 1] == 2.0 ** -6 and q.qs[5, 40] == 127 and torch.equal(q.qs[3, :32], torch.zeros(32, dtype=torch.int8))
+    d = q.d.repeat_interleave(32, 1)
+    assert (q.qs.abs() <= 127).all() and ((r - w).abs() <= d / 2).all()  # the nearest value on each block's grid
+    amax = r.view(40, 4, 32).abs().amax(-1)
+    assert (127 * q.d[amax > 0] / 2 < amax[amax > 0]).all()  # the smallest power of two that holds each block
+    assert po2_q8(w) is None and po2_q8(r[:, :96]) is None  # not such values; K % 64 != 0
+    assert round_po2_q8(r).equal(r)  # idempotent
+    with pytest.raises(ValueError, match="K % 64 == 0"):
+        round_po2_q8(torch.ones(4, 96))
+    for rows in (1, 2, 3, 4, 5, 7, 9, 17):
+        x = torch.randn(rows, 128, generator=gen)
+        assert torch.equal(kernel().q8_0_linear(x, q.qs, q.d), kernel().bf16_linear(x, r.bfloat16()))
+
+
 def test_packed_float32_kernel_equals_the_row_major_one():
     """f32p_linear reads pack_rows' tile-by-tile layout and sums as f32_linear does: same bits, any rows and
     threads (the prefetching differs with the rows, the arithmetic does not)."""

@@ -564,3 +564,35 @@ def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypat
     assert DFlashDrafter.load(out).fc.weight.dtype == torch.float32
     (tmp_path / "a-file").write_text("")
     assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "a-file")]) == 2
+
+
+def test_quantize_rounds_every_matrix_to_8bit_blocks_and_decodes_losslessly(tmp_path):
+    """`train quantize`: every matrix of the drafter (fc, the layers' projections, the reduced head) becomes
+    power-of-two-scaled 8-bit values, stored as bf16 and read back as those blocks; norms and d2t are kept; the
+    rounded drafter is a drafter like any other (every method equals ar); a non-empty --out needs --force."""
+    from ddtree import qlinear
+    from ddtree.train import cli
+    from conftest import run
+
+    target = random_target("llama", seed=6, init_scale=0.25)
+    drafter = untrained_drafter(target, 2, 8, seed=7, draft_vocab=torch.arange(1, 96, 2))
+    drafter.save(tmp_path / "src", torch.bfloat16)
+    (tmp_path / "src" / "README.md").write_text("card")
+    out = tmp_path / "q8"
+    assert cli.main(["quantize", "--draft", str(tmp_path / "src"), "--out", str(out)]) == 0
+    assert (out / "README.md").read_text() == "card"
+    source, rounded = DFlashDrafter.load(tmp_path / "src"), DFlashDrafter.load(out, target=target)
+    assert torch.equal(rounded.d2t, source.d2t)
+    for (name, p), q in zip(source.named_parameters(), rounded.parameters()):
+        if p.dim() == 2:
+            assert qlinear.po2_q8(q) is not None and torch.equal(q, qlinear.round_po2_q8(p)), name
+            assert not torch.equal(q, p), name
+        else:
+            assert torch.equal(q, p), name
+    assert isinstance(rounded.cpu_stack() and rounded._stack[2], qlinear.QWeight)
+    for prompt in ([5, 9, 2], [40, 41, 42, 43, 44, 45, 46], [3] * 12):
+        reference, _ = run(target, None, prompt, "ar", max_new_tokens=20)
+        for method, budget in (("dflash", None), ("ddtree", 2), ("ddtree", 16), ("ddtree", "auto")):
+            assert run(target, rounded, prompt, method, budget=budget or 1, max_new_tokens=20)[0] == reference
+    assert cli.main(["quantize", "--draft", str(tmp_path / "src"), "--out", str(out)]) == 2  # needs --force
+    assert cli.main(["quantize", "--draft", str(tmp_path), "--out", str(tmp_path / "x")]) == 2  # no config.json
