@@ -212,11 +212,9 @@ def po2_q8(weight: torch.Tensor, exact: bool = True) -> QWeight | None:
     e = e + (amax > 127 * torch.ldexp(torch.ones_like(amax), e)).int()
     e = e - (amax <= 127 * torch.ldexp(torch.ones_like(amax), e - 1)).int() * (amax > 0).int()
     d = torch.ldexp(torch.ones_like(amax), e)
-    q = blocks / d[..., None]
-    if exact and not torch.equal(q, q.round()):
-        return None
-    q8 = QWeight("Q8_0", q.round().clamp(-127, 127).to(torch.int8).reshape(n, k).contiguous(), d.contiguous())
-    if exact and not torch.equal(q8.dequantize(), w):  # subnormal corners: trust the dequantized values alone
+    q = (blocks / d[..., None]).round().clamp(-127, 127)
+    q8 = QWeight("Q8_0", q.to(torch.int8).reshape(n, k).contiguous(), d.contiguous())
+    if exact and not torch.equal(q8.dequantize(), w):  # a value off its block's grid (or a subnormal corner)
         return None
     return q8
 
