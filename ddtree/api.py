@@ -145,7 +145,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on CUDA and on
-    CPUs with bf16 matrix units, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
+    CPUs with AMX, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
     which ran. quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (CPU, float32
     activations; the same model as the float one, weights read at 5-8.5 bits; see ddtree/quant_target.py)."""

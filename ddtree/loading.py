@@ -61,14 +61,14 @@ def resolve_device(device) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with bf16 matrix hardware (AMX / AVX512-BF16); float32 elsewhere, where
-    CPU bf16 matmuls are emulated and several times slower than fp32 (measured on an AVX2-only EPYC)."""
+    """bfloat16 on CUDA and on CPUs with AMX tiles; float32 on every other CPU. On an AVX2-only EPYC torch's bf16
+    matmuls are emulated (4-5x slower than fp32); on a Zen 4 EPYC with AVX512-BF16 but no AMX the float32 path
+    (the C++ decoder stack over the weights' exact compact blocks) decoded the embedded pair 2.8-3.4x faster than
+    bf16 (docs/cpu-speed.md, stop 25), so AVX512-BF16 alone does not make bf16 the default."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
-    cpu = torch.cpu
-    fast_bf16 = any(getattr(cpu, name, lambda: False)() for name in ("_is_amx_tile_supported",
-                                                                    "_is_avx512_bf16_supported"))
-    return torch.bfloat16 if fast_bf16 else torch.float32
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return torch.bfloat16 if amx else torch.float32
 
 
 def default_target_path() -> Path:

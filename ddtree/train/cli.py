@@ -126,7 +126,7 @@ def cmd_generate_data(args) -> int:
     else:
         prompts = build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
         prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
-    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 where the CPU has AMX
+    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 only where the CPU has AMX
     # the target as the user named it (the cache directory's name changes with the install)
     meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct",
             "mix": None if args.prompts_file else args.mix or "scale", "prompts_file": args.prompts_file}
