@@ -25,7 +25,9 @@ import torch
 from .attention import Visibility
 from .tree import ancestor_matrix, chain_parents
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# every size up to 6 and some beyond: a CPU kernel's cost steps where its passes change shape (6 rows on AVX2, 13 with
+# AVX-512; qlinear.cpp), which interpolating between 4 and 8 nodes misread by up to 15%
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -139,10 +141,11 @@ class EdgeCalibration:
 
 
 @torch.inference_mode()
-def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repeats: int = 3,
+def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repeats: int = 5,
               block_size: int | None = None, stop_when_hopeless: bool = True) -> CostModel:
     """Time the target's verify pass for each tree size (a chain: on these sizes the mask shape barely matters)
-    after `context` committed tokens, and the drafter's block pass; median of `repeats` after one warm-up.
+    after `context` committed tokens, and the drafter's pass at each length; per pass the median of `repeats`
+    rounds over all of them, after a warm-up round.
     With stop_when_hopeless, sizes stop after the first whose step costs more than `block` plain steps: such a
     step loses to plain decoding even when the whole block is accepted, so no larger tree is worth timing (on
     a 2-core AVX2 CPU this skips the 128..512-node passes, seconds each)."""
@@ -158,33 +161,40 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
                  taps, last_only=True)
     cache.commit(context)
 
-    def timed(fn) -> float:
+    def once(fn) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
         fn()
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+        _sync(device)
+        return time.perf_counter() - t0
 
     block = block_size or drafter.block_size
     dcache = drafter.new_cache(context + max(block, max(sizes)))
     drafter.add_context(dcache, out.taps)
     bonus = ids[context:context + 1]
-    drafts = tuple(timed(lambda n=n: drafter.draft(dcache, bonus, n)) for n in range(2, block + 1))
+    passes = [lambda n=n: drafter.draft(dcache, bonus, n) for n in range(2, block + 1)]
+    for fn in passes:  # warm-up
+        fn()
     # + tree build, compile, walk and commit: a few ms on a CPU, well under a verify pass; 10% of the draft
     # pass stands in for them (the benchmark's stage times show the real split)
-    fixed = drafts[-1] * 1.1
-    verify = []
-    for n in sizes:
+    fixed = once(passes[-1]) * 1.1
+    for n in sizes:  # a first (warm-up) round, which also finds the sizes worth timing
         parents, depths = chain_parents(n)
         anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if n > 1 else None
         vis, pos = Visibility(context, anc), torch.arange(context, context + n, device=device)
-        verify.append(timed(lambda: target(ids[context:context + n], pos, cache, vis, taps)))
-        if stop_when_hopeless and sizes[0] == 1 and fixed + verify[-1] > block * verify[0]:
+        passes.append(lambda n=n, vis=vis, pos=pos: target(ids[context:context + n], pos, cache, vis, taps))
+        seconds = once(passes[-1])
+        if n == sizes[0]:
+            first = seconds
+        if stop_when_hopeless and sizes[0] == 1 and fixed + seconds > block * first:
             break
+    # then `repeats` rounds over every pass in turn, so that a machine whose speed drifts (other processes, clock)
+    # shifts all sizes alike instead of bending the curve: auto's choices rest on the ratios between sizes
+    times = [[once(fn) for fn in passes] for _ in range(repeats)]
+    medians = np.median(np.asarray(times), axis=0)
+    drafts, verify = tuple(float(t) for t in medians[:block - 1]), medians[block - 1:]
+    fixed = drafts[-1] * 1.1
+    verify = tuple(float(t) for t in np.maximum.accumulate(verify))  # more nodes never cost less: noise does
     return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts)
 
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_stack
+from . import cpu_stack, qlinear
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
-FORMAT = 6  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 7  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
@@ -64,7 +64,8 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                 drafter_storage=cpu_stack.storage(drafter.layers[0].mlp.gate_proj.weight),  # q8 / bf16 / float32
                 block_size=block_size, max_nodes=max_nodes,
                 **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
-                **({"cpu_layers": True} if getattr(target, "stack", None) is not None else {}),  # cpu_stack.py
+                **({"cpu_layers": True, "cpu_kernel": qlinear.kernel_isa()}  # cpu_stack.py, on this kernel build
+                   if getattr(target, "stack", None) is not None else {}),
                 **({"exact_blocks": True} if getattr(target, "blocks", None) is not None else {}))  # exact_blocks.py
 
 

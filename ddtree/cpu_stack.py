@@ -14,7 +14,7 @@ import operator
 import torch
 
 from . import qlinear
-from .exact_blocks import LAYER_MAX_ROWS
+from .exact_blocks import layer_max_rows
 from .layers import SKINNY_MAX_ROWS
 
 F32, Q4_1, Q8_0, BF16, F32P = 1, 2, 3, 4, 5  # decoder.cpp's Linear kinds
@@ -34,7 +34,7 @@ def build(cfg, layers, blocks=None) -> object | None:
     (qlinear.pack_rows, up to PACK_MAX_BYTES). A stack holding copies must be rebuilt when the weights change: the
     drafter and the target check their parameters' version counters on every pass and rebuild it. blocks: per layer, its (qkv, o, gate_up, down) as
     ddtree.qlinear.QWeights that dequantize EXACTLY to the float weights (None where there is none), from
-    ddtree.exact_blocks; passes of up to exact_blocks.LAYER_MAX_ROWS rows read those instead (same bits)."""
+    ddtree.exact_blocks; passes of up to exact_blocks.layer_max_rows() rows read those instead (same bits)."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -70,7 +70,7 @@ def build(cfg, layers, blocks=None) -> object | None:
                _add(stack, gate_up, gate_up_t, None, pack), _add(stack, down, None, biases[3], pack)]
         for j, exact in enumerate(blocks[i] if blocks is not None else ()):
             if exact is not None:
-                stack.add_blocks(ids[j], _add(stack, exact, None, biases[j], pack), LAYER_MAX_ROWS)
+                stack.add_blocks(ids[j], _add(stack, exact, None, biases[j], pack), layer_max_rows())
         norms = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *norms,
                         *ids)

@@ -6,7 +6,7 @@ format the weight is stored in, and a block dequantizes in registers to exactly 
 over the blocks has the bits of the product over the float weights: the same model, with 5 (Q4_1) or 8.5 (Q8_0)
 bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost ~2.5x
 less (SmolLM2's layers on the 2-core AVX2 EPYC, 2 threads: 9.6 against 23.8 ms). Wider passes are compute-bound
-and keep the float weights (LAYER_MAX_ROWS, HEAD_MAX_ROWS below).
+and keep the float weights (layer_max_rows(), head_max_rows() below).
 
 Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
 and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
@@ -17,6 +17,7 @@ DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison wi
 from __future__ import annotations
 
 import json
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -29,15 +30,32 @@ from .qlinear import QWeight
 
 FORMAT = 1
 SLOTS = ("qkv", "o", "gate_up", "down")
-# Passes of up to this many rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes in
-# registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30 layers'
-# matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 8.1 / 19.3, 3 rows 9.3 / 22.7, 5 rows 11.7 /
-# 25.3, 7 rows 19.5 / 23.1, 9 rows 21.9 / 22.6; 1 thread 1 row 13.0 / 28.0, 5 rows 20.8 / 33.5, 7 rows 38.0 /
-# 34.8, 9 rows 41.5 / 35.1 (from 6 rows the kernel stores dequantized tiles and sweeps them).
-LAYER_MAX_ROWS = 5
-# The Q8_0 LM head (49152 x 576), against the float one through the row kernel (ms): 2 threads 1 row 2.0 / 5.2,
-# 5 rows 3.8 / 5.1, 9 rows 4.9 / 6.4, 17 rows 7.7 / 7.5; 1 thread 1 row 3.7 / 9.2, 9 rows 9.6 / 9.9.
-HEAD_MAX_ROWS = 9
+# Passes of up to layer_max_rows() rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes
+# in registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30
+# layers' matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 8.1 / 19.3, 3 rows 9.3 / 22.7, 5 rows
+# 11.7 / 25.3, 7 rows 19.5 / 23.1, 9 rows 21.9 / 22.6; 1 thread 1 row 13.0 / 28.0, 5 rows 20.8 / 33.5, 7 rows 38.0 /
+# 34.8, 9 rows 41.5 / 35.1 (from 6 rows the AVX2 build stores dequantized tiles and sweeps them). The AVX-512
+# build takes up to 12 rows in one pass (qlinear.cpp): on a 2-core Zen 4 EPYC, 2 threads, 9 rows 15.9 / 24.0,
+# 12 rows 20.4 / 26.3, 13 rows (stored and swept again) 24.4 / 25.8.
+AVX2_LAYER_MAX_ROWS = 5
+# The Q8_0 LM head (49152 x 576), against the float one through the row kernel (ms): AVX2 EPYC, 2 threads 1 row
+# 2.0 / 5.2, 5 rows 3.8 / 5.1, 9 rows 4.9 / 6.4, 17 rows 7.7 / 7.5; 1 thread 1 row 3.7 / 9.2, 9 rows 9.6 / 9.9.
+# Zen 4 with the AVX-512 build, 2 threads: 9 rows 3.8 / 5.5, 12 rows 5.2 / 6.0.
+AVX2_HEAD_MAX_ROWS = 9
+
+
+@functools.cache
+def layer_max_rows() -> int:
+    """Passes of up to this many rows read the layers' blocks: as many as one pass of the kernel's build takes."""
+    from . import qlinear
+
+    return qlinear.kernel().wide_pass_rows if qlinear.cpu_kernel_available() else AVX2_LAYER_MAX_ROWS
+
+
+@functools.cache
+def head_max_rows() -> int:
+    """Passes of up to this many rows read the LM head's blocks."""
+    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows())
 
 
 @dataclass

@@ -49,10 +49,36 @@ def cpu_kernel_available() -> bool:
     return True
 
 
+ISAS = ("avx2", "avx512")
+
+
+def kernel_isa() -> str:
+    """Which build of the kernel this CPU runs: "avx512" where torch reports AVX512 (F, BW, VL, DQ: the build then
+    also uses the 16 extra vector registers, which let one pass take up to 12 rows), else "avx2".
+    DDTREE_CPU_ISA=avx2 forces the AVX2 build (to compare them; both give the same bits)."""
+    import os
+
+    forced = os.environ.get("DDTREE_CPU_ISA", "").lower()
+    if forced:
+        if forced not in ISAS:
+            raise ConfigError(f"DDTREE_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)} (or unset)")
+        return forced
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+
+
 @functools.cache
 def kernel():
+    """The compiled extension for this CPU (kernel_isa(), read once per process); see build_kernel."""
+    return build_kernel(kernel_isa())
+
+
+@functools.cache
+def build_kernel(isa: str = "avx2"):
     """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/torch_extensions): the
-    quantized products, float32 ones for layers.project, and the decoder-layer stack (ddtree/cpu_stack.py)."""
+    quantized products, float32 ones for layers.project, and the decoder-layer stack (ddtree/cpu_stack.py).
+    isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and folder, so a cache shared
+    by two kinds of CPU never loads it on one without them); every product keeps its order of sums, so the two
+    builds give the same bits (tests/test_qlinear.py)."""
     from pathlib import Path
 
     from .loading import cache_root
@@ -61,19 +87,26 @@ def kernel():
     if capability not in ("AVX2", "AVX512"):
         raise ConfigError(f"the CPU matmul kernel needs an x86 CPU with AVX2 (torch reports {capability!r}), so "
                           "quant='gguf' cannot run here; float targets run on torch's matmuls")
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    if isa == "avx512" and capability != "AVX512":
+        raise ConfigError(f"DDTREE_CPU_ISA=avx512 on a CPU without AVX-512 (torch reports {capability!r}); unset it")
     sources = [Path(__file__).resolve().parent / "kernels" / name for name in ("qlinear.cpp", "decoder.cpp")]
-    build = cache_root() / "torch_extensions" / "qlinear"
+    suffix = "" if isa == "avx2" else "_" + isa
+    build = cache_root() / "torch_extensions" / ("qlinear" + suffix)
+    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+    if isa == "avx512":
+        flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
     try:
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("ddtree_qlinear*.so")):
-            print(f"ddtree: building the CPU matmul kernel (once, ~1 min; cached in {build})", file=sys.stderr,
-                  flush=True)
+            print(f"ddtree: building the CPU matmul kernel for {isa} (once, ~1 min; cached in {build})",
+                  file=sys.stderr, flush=True)
         from torch.utils.cpp_extension import load
 
         # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
-        return load(name="ddtree_qlinear", sources=[str(s) for s in sources], build_directory=str(build),
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"])
+        return load(name="ddtree_qlinear" + suffix, sources=[str(s) for s in sources], build_directory=str(build),
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - compiler, loader and file-system failures come in many types
         raise ConfigError(f"cannot build the CPU matmul kernel in {build} ({type(e).__name__}: {str(e)[-400:]}); "
                           "it needs g++, ninja (apt-get install g++ ninja-build, or pip install ninja) and a "

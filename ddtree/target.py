@@ -100,7 +100,7 @@ class TargetModel(nn.Module):
         return self
 
     def attach_blocks(self, blocks) -> None:
-        """Read narrow passes (exact_blocks.LAYER_MAX_ROWS, HEAD_MAX_ROWS rows) from `blocks`
+        """Read narrow passes (exact_blocks.layer_max_rows(), head_max_rows() rows) from `blocks`
         (ddtree.exact_blocks.ExactBlocks, GGUF blocks that dequantize exactly to these float weights; same bits)."""
         self.blocks = blocks
         self.stack = cpu_stack.build(self.cfg, self.model.layers, blocks.layers)
@@ -142,12 +142,12 @@ class TargetModel(nn.Module):
         5-5.8 ms). Measured ddtree tokens/s, all rows against RowLogits: 1 thread +4% at 5 and 9 nodes, -9% at
         17; 2 threads +18-27% at 5-17 nodes. So float32 targets read rows lazily only on one thread from
         ROW_LOGITS_MIN_ROWS nodes; a quantized head (compute-bound at several rows) always. A head with exact
-        blocks (attach_blocks) takes them for up to exact_blocks.HEAD_MAX_ROWS rows at once (2 threads: 1 row 2.0 ms,
+        blocks (attach_blocks) takes them for up to exact_blocks.head_max_rows() rows at once (2 threads: 1 row 2.0 ms,
         5 rows 3.8, 9 rows 4.9; the float head at 17 rows 7.5), so it reads rows lazily only above that."""
         if not self.row_logits or rows < 2:
             return False
         if self.blocks is not None and self.blocks.head is not None:
-            return rows > exact_blocks.HEAD_MAX_ROWS
+            return rows > exact_blocks.head_max_rows()
         return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
 
     @property
@@ -164,7 +164,7 @@ class TargetModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
         head = self.blocks.head if self.blocks is not None else None
-        if (head is not None and hidden.dim() == 2 and hidden.shape[0] <= exact_blocks.HEAD_MAX_ROWS
+        if (head is not None and hidden.dim() == 2 and hidden.shape[0] <= exact_blocks.head_max_rows()
                 and not (torch.is_grad_enabled() and hidden.requires_grad)):
             return head.matmul(hidden.contiguous())  # exact blocks (ddtree/exact_blocks.py): same bits, fewer bytes
         if self.head_compact is not None and hidden.dim() == 2 and not (torch.is_grad_enabled() and hidden.requires_grad):

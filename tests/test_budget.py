@@ -135,6 +135,28 @@ def test_calibration_stops_at_hopeless_sizes():
     assert cost.sizes == (1, 2) and set(fake.sizes) == {1, 2}, cost
 
 
+class DriftingTarget(SleepyTarget):
+    """Verify passes that sleep 5 ms x n, on a machine that gets 3x slower halfway through its passes; and a
+    2-node pass that (timer noise) comes back faster than a 1-node one."""
+    def __call__(self, ids, positions, cache, vis, taps, last_only=False):
+        if not last_only:
+            self.sizes.append(len(ids))
+            slow = 3.0 if len(self.sizes) > 3 + 2 * 3 else 1.0  # after the warm-up round and 2 of the 4 rounds
+            time.sleep(0.005 * (0.5 if len(ids) == 2 else len(ids)) * slow)
+        return SimpleNamespace(taps=None)
+
+
+def test_calibration_rounds_interleave_sizes_and_the_curve_never_falls():
+    """Each round times every size once, so a slowdown halfway hits all sizes alike (sequential timing would give
+    the later sizes 3x the cost), and a larger tree never costs less than a smaller one."""
+    fake = DriftingTarget()
+    cost = calibrate(fake, fake, context=8, sizes=(1, 2, 4), repeats=4, stop_when_hopeless=False)
+    assert fake.sizes == [1, 2, 4] * 5  # a warm-up round, then 4 rounds over all sizes
+    v = np.asarray(cost.verify_seconds)
+    assert np.all(np.diff(v) >= 0), v  # the 2-node pass's 2.5 ms is lifted to the 1-node pass's cost
+    assert 3.0 < v[2] / v[0] < 6.0, v  # ~4x, as on a steady machine: not bent by the drift
+
+
 def test_edge_calibration_learns_distrust_and_keeps_trust():
     logp, depths = np.log([0.95, 0.9, 0.85, 0.8]), np.array([1, 2, 3, 4])
     wrong, right = EdgeCalibration(), EdgeCalibration()

@@ -45,7 +45,7 @@ def test_exact_blocks_give_the_float_weights_bits(arch, threads, tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 3, 5, 6, exact_blocks.HEAD_MAX_ROWS, exact_blocks.HEAD_MAX_ROWS + 3):
+        for rows in (1, 2, 3, 5, 6, exact_blocks.head_max_rows(), exact_blocks.head_max_rows() + 3):
             for a, b in zip(stack_pass(blocked, rows), stack_pass(plain, rows)):
                 assert torch.equal(a, b), f"{rows} rows"
             h = torch.randn(rows, blocked.cfg.hidden_size)
@@ -62,11 +62,11 @@ def test_blocks_serve_narrow_passes_and_the_float_weights_wide_ones(tmp_path):
     foreign = exact_blocks._extract(quantizable_target("llama", 4), gguf_of(quantizable_target("llama", 4), tmp_path,
                                                                             "other.gguf"))
     target.attach_blocks(foreign)
-    narrow, wide = exact_blocks.LAYER_MAX_ROWS, exact_blocks.LAYER_MAX_ROWS + 1
+    narrow, wide = exact_blocks.layer_max_rows(), exact_blocks.layer_max_rows() + 1
     assert not torch.equal(stack_pass(target, narrow)[0], stack_pass(plain, narrow)[0])
     assert torch.equal(stack_pass(target, wide)[0], stack_pass(plain, wide)[0])
     with torch.inference_mode():
-        for rows, changes in ((exact_blocks.HEAD_MAX_ROWS, True), (exact_blocks.HEAD_MAX_ROWS + 1, False)):
+        for rows, changes in ((exact_blocks.head_max_rows(), True), (exact_blocks.head_max_rows() + 1, False)):
             h = torch.randn(rows, target.cfg.hidden_size)
             assert torch.equal(target.logits(h), plain.logits(h)) != changes, f"head, {rows} rows"
 

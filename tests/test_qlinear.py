@@ -50,7 +50,7 @@ def test_a_rows_result_does_not_depend_on_the_batch(kind):
     x = torch.randn(17, 640, generator=gen)
     together = q.matmul(x)
     assert torch.equal(together, torch.cat([q.matmul(x[i:i + 1]) for i in range(17)]))
-    for rows in (2, 3, 4, 5):  # the kernel's paths: 1-3 rows in its dequantizing pass, more in sweeps of buf
+    for rows in range(2, 17):  # the kernel's paths: one dequantizing pass (up to 5 rows, 12 on AVX-512), sweeps
         assert torch.equal(q.matmul(x[:rows]), together[:rows]), rows
     assert torch.equal(q.rows(5, 11).matmul(x), together[:, 5:11])
     torch.set_num_threads(2)
@@ -300,3 +300,63 @@ def test_packed_float32_kernel_equals_the_row_major_one():
         pack_rows(torch.zeros(6, 64))
     with pytest.raises(RuntimeError, match="bad packed weight"):
         kernel().f32p_linear(torch.randn(1, 64), torch.zeros(2, 4, 64))
+
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
+@pytest.mark.skipif(not AVX512, reason="needs an x86 CPU with AVX-512 to run the avx512 build "
+                    f"(torch reports {torch.backends.cpu.get_cpu_capability()!r})")
+def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
+    """The AVX-512 build takes up to 12 rows in one pass, on other tiles; every output keeps its one chain of
+    sums, so each product, and a whole target's logits through the decoder stack, are the AVX2 build's bits."""
+    from ddtree import exact_blocks, qlinear
+    from ddtree.attention import Visibility
+
+    avx2, avx512 = qlinear.build_kernel("avx2"), qlinear.build_kernel("avx512")
+    assert (avx2.wide_pass_rows, avx512.wide_pass_rows) == (5, 12)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(203, 640, generator=gen)
+    for kind in KINDS:
+        q = QWeight.quantize(w, kind)
+        for rows in range(1, 18):
+            x = torch.randn(rows, 640, generator=gen)
+            if kind == "Q4_1":
+                a, b = (k.q4_1_linear(x, q.qs, q.d, q.m) for k in (avx2, avx512))
+            else:
+                a, b = (k.q8_0_linear(x, q.qs, q.d) for k in (avx2, avx512))
+            assert torch.equal(a, b), (kind, rows)
+    w4 = w[:200]  # packed float32 needs N % 4 == 0
+    for rows in range(1, 18):
+        x = torch.randn(rows, 640, generator=gen)
+        assert torch.equal(avx2.f32_linear(x, w), avx512.f32_linear(x, w)), rows
+        assert torch.equal(avx2.bf16_linear(x, w.bfloat16()), avx512.bf16_linear(x, w.bfloat16())), rows
+        packed = qlinear.pack_rows(w4)
+        assert torch.equal(avx2.f32p_linear(x, packed), avx512.f32p_linear(x, packed)), rows
+
+    def logits_with(build):
+        """A random target's stack built on `build`: a prompt, then a 9-node tree pass and a 1-row step."""
+        monkeypatch.setattr(qlinear, "kernel", lambda: build)
+        exact_blocks.layer_max_rows.cache_clear()
+        exact_blocks.head_max_rows.cache_clear()
+        target = random_target("qwen3", seed=3, fused=False)
+        with torch.no_grad():  # bf16 values, as a checkpoint published in bf16: the stack streams bf16 copies
+            for p in target.parameters():
+                p.copy_(p.bfloat16().float())
+        target.fuse(True)
+        assert target.stack is not None
+        cache = target.new_cache(64)
+        ids = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+        target(ids[:20], torch.arange(20), cache, Visibility.causal(0, 20, "cpu"))
+        cache.commit(20)
+        anc = torch.tril(torch.ones(9, 9, dtype=torch.bool))
+        tree = target(ids[20:29], torch.arange(20, 29), cache, Visibility(20, anc)).logits
+        step = target(ids[20:21], torch.arange(20, 21), cache, Visibility(20, None)).logits
+        return tree, step
+
+    try:
+        for a, b in zip(logits_with(avx2), logits_with(avx512)):
+            assert torch.equal(a, b)
+    finally:
+        exact_blocks.layer_max_rows.cache_clear()
+        exact_blocks.head_max_rows.cache_clear()
