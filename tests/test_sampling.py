@@ -130,3 +130,40 @@ def test_greedy_argmax_kernel_gives_torch_argmax():
         assert torch.equal(argmax(logits), logits.argmax(dim=-1)), logits
     with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
         qlinear.kernel().argmax_rows(torch.zeros(2, 0))
+
+
+def test_sampling_kernel_is_the_inverse_cdf_and_never_draws_a_zero():
+    """sample_rows (the CPU draw behind choose at T > 0): the first index whose running double sum exceeds u x the
+    row's total, never one of probability zero, at either end of u's range; a row with no mass is an error."""
+    from ddtree import qlinear
+    from ddtree.sampling import sample
+
+    if not qlinear.cpu_kernel_available():
+        pytest.skip("no CPU kernel on this machine")
+    kernel = qlinear.kernel()
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(5, 1037, generator=gen) ** 4
+    probs[probs < 0.2] = 0.0  # most entries zero, as after top-k / top-p
+    probs[:, :3] = 0.0
+    probs[:, -5:] = 0.0
+    u = torch.tensor([0.0, 0.25, 0.5, 0.999, math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    got = kernel.sample_rows(probs, u)
+    for i in range(5):
+        p = probs[i].double()
+        nonzero = torch.nonzero(p > 0).squeeze(-1)
+        cum = torch.cumsum(p, 0)
+        expected = int(nonzero[torch.nonzero(cum[nonzero] > u[i] * cum[-1])[0]]) if u[i] < 0.99 else None
+        assert probs[i, got[i]] > 0, i
+        if expected is not None:
+            assert int(got[i]) == expected, (i, int(got[i]), expected)
+    assert int(got[0]) == int(torch.nonzero(probs[0] > 0)[0])  # u = 0: the first possible token
+    assert int(got[4]) == int(torch.nonzero(probs[4] > 0)[-1])  # u -> 1: the last one
+    with pytest.raises(RuntimeError, match="no probability mass"):
+        kernel.sample_rows(torch.zeros(1, 64), torch.zeros(1, dtype=torch.float64))
+    # and the draws follow the distribution over a full-size vocabulary: 4 likely tokens among 49,152
+    row = torch.full((1, 49152), 1e-7)
+    row[0, [5, 100, 30000, 49151]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draws = torch.cat([sample(row, gen) for _ in range(4000)])
+    for token, p in zip([5, 100, 30000, 49151], [0.4, 0.3, 0.2, 0.1]):
+        share = float((draws == token).float().mean())
+        assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / 4000), (token, share, p)
