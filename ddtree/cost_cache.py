@@ -64,7 +64,7 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                 drafter_storage=cpu_stack.storage(drafter.layers[0].mlp.gate_proj.weight),  # q8 / bf16 / float32
                 block_size=block_size, max_nodes=max_nodes,
                 **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
-                **({"cpu_layers": True, "cpu_kernel": qlinear.kernel_isa()}  # cpu_stack.py, on this kernel build
+                **({"cpu_layers": True, "cpu_kernel": qlinear.kernel().isa}  # cpu_stack.py, on this kernel build
                    if getattr(target, "stack", None) is not None else {}),
                 **({"exact_blocks": True} if getattr(target, "blocks", None) is not None else {}))  # exact_blocks.py
 

@@ -68,8 +68,19 @@ def kernel_isa() -> str:
 
 @functools.cache
 def kernel():
-    """The compiled extension for this CPU (kernel_isa(), read once per process); see build_kernel."""
-    return build_kernel(kernel_isa())
+    """The compiled extension for this CPU (kernel_isa(), read once per process); see build_kernel. Where the
+    AVX-512 build fails (a compiler without those flags), the AVX2 build serves, with a warning."""
+    import os
+    import warnings
+
+    isa = kernel_isa()
+    if isa == "avx512" and not os.environ.get("DDTREE_CPU_ISA"):
+        try:
+            return build_kernel(isa)
+        except ConfigError as e:
+            warnings.warn(f"ddtree: the AVX-512 build of the CPU kernel failed, using the AVX2 build ({e})", stacklevel=2)
+            return build_kernel("avx2")
+    return build_kernel(isa)
 
 
 @functools.cache

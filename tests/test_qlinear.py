@@ -314,7 +314,7 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
     from ddtree.attention import Visibility
 
     avx2, avx512 = qlinear.build_kernel("avx2"), qlinear.build_kernel("avx512")
-    assert (avx2.wide_pass_rows, avx512.wide_pass_rows) == (5, 12)
+    assert (avx2.wide_pass_rows, avx512.wide_pass_rows, avx2.isa, avx512.isa) == (5, 12, "avx2", "avx512")
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(203, 640, generator=gen)
     for kind in KINDS:
@@ -360,3 +360,34 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
     finally:
         exact_blocks.layer_max_rows.cache_clear()
         exact_blocks.head_max_rows.cache_clear()
+
+
+def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
+    """Where torch reports AVX-512 but the AVX-512 build does not compile, the AVX2 build serves (with a
+    warning) instead of the CPU losing its kernel; DDTREE_CPU_ISA names a build outright, and a bad name is refused."""
+    from ddtree import qlinear
+
+    calls = []
+
+    def fake_build(isa="avx2"):
+        calls.append(isa)
+        if isa == "avx512":
+            raise ConfigError("no -mavx512vl here")
+        return f"build:{isa}"
+
+    monkeypatch.setattr(qlinear, "build_kernel", fake_build)
+    monkeypatch.setattr(qlinear, "kernel_isa", lambda: "avx512")
+    monkeypatch.delenv("DDTREE_CPU_ISA", raising=False)
+    qlinear.kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="AVX-512 build of the CPU kernel failed"):
+            assert qlinear.kernel() == "build:avx2"
+        assert calls == ["avx512", "avx2"]
+    finally:
+        qlinear.kernel.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setenv("DDTREE_CPU_ISA", "sse4")
+    with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='sse4'"):
+        qlinear.kernel_isa()
+    monkeypatch.setenv("DDTREE_CPU_ISA", "AVX2")
+    assert qlinear.kernel_isa() == "avx2"

@@ -383,4 +383,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_0_linear", &q8_0_linear, "x [M, K] @ W^T, W in GGUF Q8_0 blocks");
   bind_decoder(mod);
   mod.attr("wide_pass_rows") = WIDE_PASS_ROWS;  // exact_blocks reads the blocks up to this many rows
+#if defined(__AVX512VL__)
+  mod.attr("isa") = "avx512";
+#else
+  mod.attr("isa") = "avx2";
+#endif
 }
