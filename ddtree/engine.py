@@ -51,9 +51,9 @@ class Method:
         """The most positions one draft pass covers (the stats' block_size)."""
         return self.block_size
 
-    def prepare(self, target, drafter) -> None:
+    def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
         """Before each generation, outside its timing: load or measure what the method needs (once), and
-        start a new prompt."""
+        start a new prompt decoded with `sampling` (None: greedy)."""
 
     def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
         """The tree to verify, rooted at `bonus` [1]. The one place that decides a plain step (the root alone,
@@ -141,22 +141,36 @@ class AdaptiveDDTree(DDTree):
 
     It drafts only as deep as its trees go: each draft covers one position more than the deepest tree kept in
     the last DEPTH_MEMORY drafted steps (at most the block), so a run of shallow trees (a CPU, where b* is
-    often 1-4) stops paying for the block's unused positions, and a confident run deepens it by one per step."""
+    often 1-4) stops paying for the block's unused positions, and a confident run deepens it by one per step.
+
+    What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
+    is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
+    greedy one (and back) until relearned."""
     DEPTH_MEMORY = 4
 
     def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
         super().__init__(spec, max_budget, block_size)
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
-        self.calibration = EdgeCalibration()
-        self.gate = DraftGate()
         self._last = None  # (path log-probs, depths) of the nodes verified in the current step
-        self._depths = deque(maxlen=self.DEPTH_MEMORY)  # deepest kept node of recent drafted steps
+        self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, depths, draft length)
+        self._regime: SamplingParams | None = None
+        self._enter(SamplingParams())
+
+    def _enter(self, sampling: SamplingParams) -> None:
+        """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's.
+        The state: trust in the drafter, the draft gate, the recent tree depths and the next draft's length."""
+        if self._regime is not None:
+            self._regimes[self._regime] = (self.calibration, self.gate, self._depths, self.block_size)
+        fresh = (EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length)
+        self.calibration, self.gate, self._depths, self.block_size = self._regimes.get(sampling, fresh)
+        self._regime = sampling
 
     def longest_draft(self) -> int:
         return self.max_length
 
-    def prepare(self, target, drafter) -> None:
+    def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
+        self._enter(SamplingParams() if sampling is None or sampling.greedy else sampling)
         if self.cost is None:
             self.cost = verify_costs(target, drafter, self.max_length, self.max_nodes())
             # a tree the calibration stopped short of costs more than a fully accepted block can repay
@@ -256,7 +270,7 @@ class Decoder:
         accepted path; see traces.py), or None."""
         target, drafter, cfg = self.target, self.drafter, self.target.cfg
         self._validate(prompt_ids, method, max_new_tokens, seed)
-        method.prepare(target, drafter)
+        method.prepare(target, drafter, sampling)
         device, stop = target.device, set(stop_ids)
         generator = None
         if not sampling.greedy and seed is not None:

@@ -164,3 +164,22 @@ def test_benchmark_refuses_bad_specs(argv, message, tmp_path, capsys):
 
     assert main(argv + ["--target", "/nonexistent/model", "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_keeps_what_it_learns_per_sampling_setting(pair):
+    """auto's trust in the drafter, its gate and its draft length are per sampling setting: what a T = 1 prompt
+    teaches it does not carry into the next greedy one; greedy is one setting whatever its top-p / top-k."""
+    from ddtree.config import SamplingParams
+
+    m = make_method("ddtree:auto", None, None, pair.drafter)
+    m.prepare(pair.target, pair.drafter)  # greedy
+    m.calibration.c, m.gate.rate, m.block_size = 0.5, 123.0, 3
+    m.prepare(pair.target, pair.drafter, SamplingParams(1.0))
+    assert (m.calibration.c, m.gate.rate, m.block_size) == (1.0, None, m.max_length)  # fresh for T = 1
+    m.calibration.c = 0.2
+    m.prepare(pair.target, pair.drafter, SamplingParams(0.0, top_p=0.9))  # greedy again
+    assert (m.calibration.c, m.gate.rate, m.block_size) == (0.5, 123.0, 3)
+    m.prepare(pair.target, pair.drafter, SamplingParams(1.0))
+    assert m.calibration.c == 0.2
+    m.prepare(pair.target, pair.drafter, SamplingParams(0.7))  # another temperature: its own
+    assert m.calibration.c == 1.0
