@@ -16,8 +16,8 @@ DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison wi
 """
 from __future__ import annotations
 
-import json
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass
