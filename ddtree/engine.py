@@ -154,16 +154,18 @@ class AdaptiveDDTree(DDTree):
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the nodes verified in the current step
         self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, depths, draft length)
-        self._regime: SamplingParams | None = None
-        self._enter(SamplingParams())
+        self._regime = SamplingParams()  # greedy until prepare() says otherwise
+        self.calibration, self.gate, self._depths, self.block_size = self._fresh()
+
+    def _fresh(self) -> tuple:
+        """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
+        recent tree depths and the next draft's length."""
+        return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length
 
     def _enter(self, sampling: SamplingParams) -> None:
-        """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's.
-        The state: trust in the drafter, the draft gate, the recent tree depths and the next draft's length."""
-        if self._regime is not None:
-            self._regimes[self._regime] = (self.calibration, self.gate, self._depths, self.block_size)
-        fresh = (EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length)
-        self.calibration, self.gate, self._depths, self.block_size = self._regimes.get(sampling, fresh)
+        """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
+        self._regimes[self._regime] = (self.calibration, self.gate, self._depths, self.block_size)
+        self.calibration, self.gate, self._depths, self.block_size = self._regimes.get(sampling) or self._fresh()
         self._regime = sampling
 
     def longest_draft(self) -> int:

@@ -36,7 +36,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [N, V] -> one draw per row, LongTensor [N]. On a CPU through the kernel's inverse CDF (one uniform per
-    row, double sums; ~0.1 ms a row where torch.multinomial took 1-3.5 ms over a 49K vocabulary), else torch."""
+    row, double sums; ~0.2 ms a row where torch.multinomial took 1-3.5 ms over a 49K vocabulary), else torch."""
     if probs.dtype == torch.float32 and probs.device.type == "cpu" and probs.dim() == 2 and qlinear.cpu_kernel_available():
         u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64)
         return qlinear.kernel().sample_rows(probs, u)

@@ -539,7 +539,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // u [N] uniform in [0, 1), the sums in double and in one order for the total and the scan (so the running sum
 // reaches the total and some index with p > 0 is always found). That is the categorical distribution p / total;
 // a zero p is never drawn. torch.multinomial took 1.0 ms a row on one thread and 3.5 ms on two over SmolLM2's
-// 49,152 probabilities on a Zen 4 EPYC (it draws an exponential per entry); this takes ~0.1 ms.
+// 49,152 probabilities on a Zen 4 EPYC (it draws an exponential per entry); this takes ~0.2 ms.
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.device().is_cpu() &&
                   probs.size(1) > 0, "sample_rows: probs must be float32 CPU [N, V] with V > 0");

@@ -236,8 +236,8 @@ inline bool half_tiles(const Q& q, int64_t n0, const float* x, int64_t M, int64_
 
 // Outputs [n0, n0 + T) for every x row. float32 rows: sweeps of up to three x rows over the rows in place, one row
 // included (through the span-by-span pass, packed 1-row products took 1.11-1.23x the time). Other weights
-// (quantized, bf16): up to five rows in the pass that dequantizes them in registers; more in sweeps of three over
-// the tile that the pass writes to buf [T, K].
+// (quantized, bf16): up to WIDE_PASS_ROWS rows in the pass that dequantizes them in registers; more in sweeps of
+// three over the tile that the pass writes to buf [T, K].
 template <class Q, int T>
 void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t N, float* y, float* buf) {
   const float* w = float_rows(q, n0);
