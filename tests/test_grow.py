@@ -4,7 +4,7 @@ import torch
 
 from ddtree.config import ConfigError
 from ddtree.testing import random_pair
-from ddtree.train.grow import grow_drafter
+from ddtree.train.grow import grow_drafter, layers_from_target
 from ddtree.train.model import target_features
 from ddtree.train.vocab import with_draft_vocab
 
@@ -51,3 +51,28 @@ def test_growth_that_would_lose_weights_is_refused():
     with pytest.raises(ConfigError, match="duplicates"):
         grow_drafter(drafter, taps=[1, 3, 3])
     assert grow_drafter(drafter) is drafter  # nothing to grow
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_layers_from_target_copies_the_named_target_layers(arch):
+    target, drafter = random_pair(arch, seed=3, num_draft_layers=2)
+    fc_before = drafter.fc.weight.clone()
+    q_norm_before = drafter.layers[0].self_attn.q_norm.weight.clone()
+    out = layers_from_target(drafter, target, [3, 0])
+    assert out is drafter
+    for k, i in enumerate([3, 0]):
+        mine, source = drafter.layers[k].state_dict(), target.model.layers[i].state_dict()
+        for name, value in source.items():
+            assert torch.equal(mine[name], value), (k, name)
+    assert not torch.equal(drafter.layers[0].self_attn.q_proj.weight, drafter.layers[1].self_attn.q_proj.weight)
+    assert torch.equal(drafter.fc.weight, fc_before)  # fc and the head keep their init
+    if arch == "llama":  # the target has no q/k norms: the drafter's stay as they were
+        assert torch.equal(drafter.layers[0].self_attn.q_norm.weight, q_norm_before)
+
+
+def test_layers_from_target_refuses_a_wrong_count_or_layer():
+    target, drafter = random_pair("qwen3", seed=2, num_draft_layers=2)
+    with pytest.raises(ConfigError, match="names 1 target layers for 2 draft layers"):
+        layers_from_target(drafter, target, [1])
+    with pytest.raises(ConfigError, match=r"\[9\]: the target has layers 0\.\.5"):
+        layers_from_target(drafter, target, [1, 9])

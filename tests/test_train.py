@@ -473,8 +473,19 @@ def test_cli_generate_fit_resume_export(tmp_path):
     assert main(init + ["--out", str(tmp_path / "grown"), "--layers", "3", "--taps", "0,1,3"]) == 0
     grown = DFlashDrafter.load(tmp_path / "grown" / "drafter")
     assert grown.cfg.model.num_layers == 3 and list(grown.cfg.target_layer_ids) == [0, 1, 3]
+    assert main(init + ["--out", str(tmp_path / "bad"), "--layers-from-target", "2,3"]) == 2  # two inits at once
     with pytest.raises(SystemExit):  # argparse: "expected comma-separated layer numbers"
         main(["fit", *common, "--data", str(data), "--out", str(tmp_path / "bad"), "--taps", "1,x"])
+    # a new drafter whose two layers start as target layers 3 and 1 (the layer count follows the list)
+    fresh = ["fit", *common, "--data", str(data), "--block-size", "4", "--epochs", "1", "--seqs-per-step", "2",
+             "--anchors", "8", "--max-steps", "1", "--eval-prompts", "0", "--lr", "1e-9"]
+    assert main(fresh + ["--out", str(tmp_path / "t31"), "--layers-from-target", "3,1"]) == 0
+    copied = DFlashDrafter.load(tmp_path / "t31" / "drafter")
+    assert copied.cfg.model.num_layers == 2
+    for k, i in enumerate([3, 1]):
+        torch.testing.assert_close(copied.layers[k].mlp.down_proj.weight, target.model.layers[i].mlp.down_proj.weight,
+                                   rtol=0, atol=1e-6)
+    assert main(fresh + ["--out", str(tmp_path / "bad"), "--layers", "3", "--layers-from-target", "3,1"]) == 2
 
 
 def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):

@@ -204,16 +204,21 @@ def _initial_drafter(args, target, tokenizer, seed: int, vocab=None):
     from ..drafter import DFlashDrafter, untrained_drafter
     from .vocab import with_draft_vocab
 
-    from .grow import grow_drafter
+    from .grow import grow_drafter, layers_from_target
 
     if args.init_from is None:
         mask = args.mask_token_id if args.mask_token_id is not None else \
             default_mask_token_id(tokenizer, target.cfg.vocab_size)
-        drafter = untrained_drafter(target, args.layers or 1, args.block_size or 16, seed=seed, mask_token_id=mask,
+        from_target = args.layers_from_target
+        layers = args.layers or (len(from_target) if from_target else 1)
+        drafter = untrained_drafter(target, layers, args.block_size or 16, seed=seed, mask_token_id=mask,
                                     draft_vocab=vocab)
         if args.taps:
             drafter = _with_taps(drafter, args.taps, target, seed)
-        return drafter
+        return layers_from_target(drafter, target, from_target) if from_target else drafter
+    if args.layers_from_target:
+        raise ConfigError("--layers-from-target starts a new drafter's layers; --init-from already gives them "
+                          "(drop one)")
     drafter = DFlashDrafter.load(args.init_from, target.dtype, target.device)
     if args.mask_token_id is not None and args.mask_token_id != drafter.cfg.mask_token_id:
         raise ConfigError(f"--init-from {args.init_from} fixes mask_token_id: drop --mask-token-id")
@@ -438,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--init-from", help="start from this drafter's weights (published format directory) instead of "
                    "a random init; --block-size may differ from its own, and --layers / --taps may add layers and "
                    "taps: it grows without changing what it computes (ddtree/train/grow.py)")
+    f.add_argument("--layers-from-target", type=_tap_list, metavar="I,J,...", help="start draft layer k as a copy "
+                   "of target layer I_k (one per draft layer; default: a random init)")
     f.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token, else an unused special "
                    "token (SmolLM2: 16 <empty_output>)")
     f.add_argument("--lr", type=float, help="peak AdamW learning rate (default 6e-4)")

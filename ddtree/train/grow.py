@@ -8,6 +8,9 @@ A drafter that has converged at its size can go on training with more capacity f
   unchanged; the old taps keep their columns wherever they sit in the new order.
 Both are exact (adding zeros), so a grown drafter drafts the same tokens as the one it came from
 (tests/test_grow.py), and its held-out loss starts where that one's ended.
+
+A new drafter may also start its layers from the target's (`fit --layers-from-target I,J,...`): draft layer k
+becomes a copy of target layer I_k (norms and projections; q/k norms stay 1 where the target has none).
 """
 
 from __future__ import annotations
@@ -71,3 +74,25 @@ def grow_drafter(drafter: DFlashDrafter, layers: int | None = None, taps: list[i
     if drafter._target:
         grown.bind(drafter.target)
     return grown
+
+
+def layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int]) -> DFlashDrafter:
+    """`drafter` (in place) with draft layer k's weights copied from target layer layer_ids[k]. The shapes agree:
+    a drafter is shaped after its target (`untrained_drafter`). fc, the head and the q/k norms (which a Llama
+    target lacks; they stay 1) keep their init."""
+    layers = drafter.cfg.model.num_layers
+    if len(layer_ids) != layers:
+        raise ConfigError(f"--layers-from-target names {len(layer_ids)} target layers for {layers} draft layers: "
+                          f"give one per draft layer (or --layers {len(layer_ids)})")
+    if bad := [i for i in layer_ids if not 0 <= i < target.cfg.num_layers]:
+        raise ConfigError(f"--layers-from-target {bad}: the target has layers 0..{target.cfg.num_layers - 1}")
+    with torch.no_grad():
+        for k, i in enumerate(layer_ids):
+            source = target.model.layers[i].state_dict()
+            mine = drafter.layers[k].state_dict()
+            if missing := [n for n in source if n not in mine or mine[n].shape != source[n].shape]:
+                raise ConfigError(f"target layer {i} does not fit a draft layer ({missing[:3]}): the drafter is "
+                                  "not shaped after this target")
+            for name, value in source.items():
+                mine[name].copy_(value)
+    return drafter
