@@ -27,7 +27,7 @@ from . import cpu_stack, qlinear
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
-FORMAT = 7  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 8  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step

@@ -28,7 +28,7 @@ import torch
 from .config import ConfigError
 from .qlinear import QWeight
 
-FORMAT = 1
+FORMAT = 2  # 2: Q4_1 in 40-byte spans with fp16 scales (1: lanes, d and m apart)
 SLOTS = ("qkv", "o", "gate_up", "down")
 # Passes of up to layer_max_rows() rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes
 # in registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30
@@ -72,9 +72,9 @@ class ExactBlocks:
         for name, q in entries + [("head", self.head)]:
             if q is not None:
                 kinds[name] = q.kind
-                tensors.update({f"{name}.qs": q.qs.contiguous(), f"{name}.d": q.d.contiguous()})
-                if q.m is not None:
-                    tensors[f"{name}.m"] = q.m.contiguous()
+                tensors[f"{name}.qs"] = q.qs.contiguous()
+                if q.d is not None:
+                    tensors[f"{name}.d"] = q.d.contiguous()
         return tensors, kinds
 
     @classmethod
@@ -82,7 +82,7 @@ class ExactBlocks:
         def get(name):
             if name not in kinds:
                 return None
-            return QWeight(kinds[name], tensors[f"{name}.qs"], tensors[f"{name}.d"], tensors.get(f"{name}.m"))
+            return QWeight(kinds[name], tensors[f"{name}.qs"], tensors.get(f"{name}.d"))
 
         return cls([tuple(get(f"layers.{i}.{slot}") for slot in SLOTS) for i in range(num_layers)], get("head"))
 

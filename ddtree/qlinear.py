@@ -105,7 +105,7 @@ def build_kernel(isa: str = "avx2"):
     sources = [Path(__file__).resolve().parent / "kernels" / name for name in ("qlinear.cpp", "decoder.cpp")]
     suffix = "" if isa == "avx2" else "_" + isa
     build = cache_root() / "torch_extensions" / ("qlinear" + suffix)
-    flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
     if isa == "avx512":
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
     try:
@@ -141,23 +141,30 @@ def check_kind(kind: str) -> None:
         raise ConfigError(f"quantization {kind} is not supported; supported: {', '.join(KINDS)}")
 
 
+SPAN_WORDS = 10  # a Q4_1 span of 64 weights in int32 words: 8 lanes of nibbles, then fp16 d0, m0, d1, m1
+
+
 @dataclass
 class QWeight:
-    """A weight [N, K] in GGUF blocks along K. Q4_1: qs int32 [N, K/8], the 4-bit values repacked in lanes (see
-    kernels/qlinear.cpp: nibble g of lane l of each 64 weights is weight 8g + l), d and m float32 [N, K/32];
-    Q8_0: qs int8 [N, K] as in the file, d float32 [N, K/32], m None. Row slices and concatenations stay packed."""
+    """A weight [N, K] in GGUF blocks along K. Q4_1: qs int32 [N, K / 64 * 10], per 64 weights a span of 8 lanes
+    (the 4-bit values repacked: nibble g of lane l is weight 8g + l) and the two blocks' fp16 scales d0, m0, d1, m1
+    (see kernels/qlinear.cpp), d None; Q8_0: qs int8 [N, K] as in the file, d float32 [N, K / 32]. Row slices and
+    concatenations stay packed."""
 
     kind: str
     qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None = None
+    d: torch.Tensor | None = None
 
     def __post_init__(self):
         check_kind(self.kind)
+        if (self.kind == "Q4_1") != (self.d is None):
+            raise ValueError("a Q4_1 weight keeps its scales inside its spans (d None); a Q8_0 weight needs d")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * BLOCK
+        if self.kind == "Q4_1":
+            return self.qs.shape[0], self.qs.shape[1] // SPAN_WORDS * 64
+        return tuple(self.qs.shape)
 
     dtype = torch.float32  # of the activations it takes and returns
     device = torch.device("cpu")
@@ -171,7 +178,6 @@ class QWeight:
             raise ConfigError(f"a {kind} weight needs K divisible by {BLOCK}, got {shape}")
         b = torch.from_numpy(np.array(blocks, dtype=np.uint8))  # a copy: the file is mapped read-only
         b = b.reshape(n, k // BLOCK, BLOCK_BYTES[kind])
-        scale = lambda i: b[..., i:i + 2].contiguous().view(torch.float16).squeeze(-1).float()  # noqa: E731
         if kind == "Q4_1":
             if k % 64:
                 raise ConfigError(f"a Q4_1 weight needs K divisible by 64 for the kernel's layout, got {shape}")
@@ -179,8 +185,10 @@ class QWeight:
             q = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(n, k // 64, 8, 8).to(torch.int64)
             lanes = (q << (4 * torch.arange(8)).view(8, 1)).sum(2)  # [N, K/64, 8 lanes]: weight 8g + l at nibble g
             lanes = torch.where(lanes >= 2**31, lanes - 2**32, lanes).to(torch.int32)  # uint32 bits as int32
-            return cls(kind, lanes.reshape(n, k // 8), scale(0), scale(2))
-        return cls(kind, b[..., 2:].reshape(n, k).contiguous().view(torch.int8), scale(0))
+            scales = b[..., :4].reshape(n, k // 64, 8).contiguous().view(torch.int32)  # [N, K/64, 2]: d0 m0 d1 m1
+            return cls(kind, torch.cat((lanes, scales), -1).reshape(n, k // 64 * SPAN_WORDS))
+        d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+        return cls(kind, b[..., 2:].reshape(n, k).contiguous().view(torch.int8), d)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> "QWeight":
@@ -192,24 +200,31 @@ class QWeight:
         blocks = gguf.quants.quantize(weight.detach().float().cpu().numpy(), qtype)
         return cls.from_blocks(kind, blocks, tuple(weight.shape))
 
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The blocks' d and m (None for Q8_0), float32 [N, K / 32]."""
+        if self.kind == "Q8_0":
+            return self.d, None
+        n, k = self.shape
+        dm = self.qs.view(n, k // 64, SPAN_WORDS)[..., 8:].contiguous().view(torch.float16).float()  # [N, K/64, 4]
+        return dm[..., 0::2].reshape(n, k // BLOCK), dm[..., 1::2].reshape(n, k // BLOCK)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K], rounded as gguf-py rounds it: (d * q) + m."""
         n, k = self.shape
+        d, m = self.scales()
         if self.kind == "Q4_1":
-            lanes = self.qs.view(n, k // 64, 1, 8)
+            lanes = self.qs.view(n, k // 64, SPAN_WORDS)[..., None, :8]
             q = ((lanes >> (4 * torch.arange(8)).view(8, 1)) & 0x0F).float()  # [N, K/64, 8 g, 8 l]: weight 8g + l
             q = q.reshape(n, k // BLOCK, BLOCK)
-            return (q * self.d[..., None] + self.m[..., None]).reshape(n, k)
-        return (self.qs.view(n, k // BLOCK, BLOCK).float() * self.d[..., None]).reshape(n, k)
+            return (q * d[..., None] + m[..., None]).reshape(n, k)
+        return (self.qs.view(n, k // BLOCK, BLOCK).float() * d[..., None]).reshape(n, k)
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Output rows [start, stop): views, no copy."""
-        return QWeight(self.kind, self.qs[start:stop], self.d[start:stop],
-                       None if self.m is None else self.m[start:stop])
+        return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop])
 
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
-        return QWeight(self.kind, self.qs[order].contiguous(), self.d[order].contiguous(),
-                       None if self.m is None else self.m[order].contiguous())
+        return QWeight(self.kind, self.qs[order].contiguous(), None if self.d is None else self.d[order].contiguous())
 
     @staticmethod
     def cat(weights: list["QWeight"]) -> "QWeight":
@@ -217,8 +232,8 @@ class QWeight:
         kinds, ks = {w.kind for w in weights}, {w.shape[1] for w in weights}
         if len(kinds) != 1 or len(ks) != 1:
             raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} and widths {sorted(ks)}")
-        m = None if weights[0].m is None else torch.cat([w.m for w in weights])
-        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), torch.cat([w.d for w in weights]), m)
+        d = None if weights[0].d is None else torch.cat([w.d for w in weights])
+        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), d)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] float32 -> [..., N]: F.linear(x, self.dequantize()) up to the order of the sums."""
@@ -227,7 +242,7 @@ class QWeight:
         if x2.shape[0] > KERNEL_MAX_ROWS:
             y = F.linear(x2, self.dequantize())
         elif self.kind == "Q4_1":
-            y = kernel().q4_1_linear(x2.contiguous(), self.qs, self.d, self.m)
+            y = kernel().q4_1_linear(x2.contiguous(), self.qs)
         else:
             y = kernel().q8_0_linear(x2.contiguous(), self.qs, self.d)
         return y.view(*lead, -1)

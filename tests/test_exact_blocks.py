@@ -127,7 +127,7 @@ def test_attach_checks_once_then_reads_the_cache(tmp_path, monkeypatch):
     for a, b in zip(first.blocks.layers + [(first.blocks.head,)], second.blocks.layers + [(second.blocks.head,)]):
         for qa, qb in zip(a, b):
             assert isinstance(qb, QWeight) and qa.kind == qb.kind and torch.equal(qa.qs, qb.qs)
-            assert torch.equal(qa.d, qb.d)
+            assert (qa.d is None and qb.d is None) if qa.kind == "Q4_1" else torch.equal(qa.d, qb.d)
     # another conversion of the file (its weights' checksum changed): checked again, not trusted
     monkeypatch.undo()
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))

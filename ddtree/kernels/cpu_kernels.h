@@ -18,7 +18,7 @@ inline float hsum(__m256 s) {
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w);     // x [M, K] @ w [N, K]^T
 torch::Tensor f32p_linear(torch::Tensor x, torch::Tensor w);    // the same, w packed [N/4, K/64, 4, 64]
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);    // the same with w bfloat16
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor lanes, torch::Tensor d, torch::Tensor m);
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor spans);  // Q4_1 spans [N, K / 64 * 10]
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 
 void bind_decoder(pybind11::module& mod);  // decoder.cpp

@@ -95,12 +95,12 @@ inline __m256 hsum8(const __m256* a) {
 struct Linear {
   enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4, F32P = 5 };
   int kind = 0;
-  torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: lanes, d, m; Q8_0: qs,
+  torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: spans; Q8_0: qs,
                           // d; BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
   torch::Tensor bias;
   // The same weight in GGUF blocks that dequantize to it exactly (cpu_stack.build: a float target loaded from a
   // GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
-  // result has the same bits at a fifth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
+  // result has the same bits at a sixth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
   std::shared_ptr<const Linear> blocks;
   int64_t blocks_rows = 0;
 
@@ -109,7 +109,7 @@ struct Linear {
     torch::Tensor y;
     const bool gemv = kind == F32 && x.size(0) == 1 && at::get_num_threads() == 1;
     if (kind == Q4_1) {
-      y = q4_1_linear(x, a, b, c);
+      y = q4_1_linear(x, a);
     } else if (kind == Q8_0) {
       y = q8_0_linear(x, a, b);
     } else if (kind == BF16) {
