@@ -5,7 +5,7 @@
 //         span of 8 uint32 lanes, nibble g (bits 4g..4g+3) of lane l holding weight 8g + l (so (lanes >> 4g) & 15
 //         is weights 8g..8g+7 in order), then the two blocks' fp16 scales d0, m0, d1, m1. One stream per row:
 //         with d and m in arrays of their own (three streams, 24 bytes a block) a 1-row pass over SmolLM2's 30
-//         layers from DRAM took 1.18x the time on the Zen 4 EPYC (2 threads; 1.27x on one).
+//         layers from DRAM took 1.12-1.18x the time on the Zen 4 EPYC (2 threads; 1.27x on one).
 //   Q8_0: w = d * q, q int8, GGUF's order; d float32 [N, K / 32].
 // The fp16 scales widen to fp32 exactly, and d * q is exact in fp32 (11 x 8 mantissa bits), so every weight
 // equals gguf-py's dequantized value bit for bit: the model is exactly the GGUF's.
