@@ -227,9 +227,9 @@ def _coverable(weight) -> bool:
 def _add(stack, weight, weight_t, bias, pack: bool) -> int:
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(weight, qlinear.QWeight):
-        return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, None, bias)
+        return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, bias)
     if weight.dtype == torch.bfloat16:
-        return stack.add_linear(BF16, weight, None, None, bias)
+        return stack.add_linear(BF16, weight, None, bias)
     if pack and weight.shape[0] % 4 == 0:  # the kernel at every width, one row on one thread included
-        return stack.add_linear(F32P, qlinear.pack_rows(weight), None, None, bias)
-    return stack.add_linear(F32, weight.detach(), weight_t, None, bias)
+        return stack.add_linear(F32P, qlinear.pack_rows(weight), None, bias)
+    return stack.add_linear(F32, weight.detach(), weight_t, bias)

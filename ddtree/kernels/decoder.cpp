@@ -95,8 +95,8 @@ inline __m256 hsum8(const __m256* a) {
 struct Linear {
   enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4, F32P = 5 };
   int kind = 0;
-  torch::Tensor a, b, c;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: spans; Q8_0: qs,
-                          // d; BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
+  torch::Tensor a, b;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: spans; Q8_0: qs, d;
+                       // BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
   torch::Tensor bias;
   // The same weight in GGUF blocks that dequantize to it exactly (cpu_stack.build: a float target loaded from a
   // GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
@@ -139,14 +139,13 @@ class Stack {
     TORCH_CHECK(H % 8 == 0 && D % 8 == 0 && D <= 512 && HQ % HKV == 0, "unsupported layer shape");
   }
 
-  int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> c,
+  int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b,
                      c10::optional<torch::Tensor> bias) {
     TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::F32P, "unknown linear kind ", kind);
     Linear l;
     l.kind = int(kind);
     l.a = a;
     if (b) l.b = *b;
-    if (c) l.c = *c;
     if (bias) l.bias = *bias;
     linears.push_back(l);
     return int64_t(linears.size()) - 1;

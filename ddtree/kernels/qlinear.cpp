@@ -42,7 +42,7 @@ constexpr int64_t PREFETCH_ROWS = 16;
 struct Q4_1 {
   const char* spans;  // [N, K / 64] spans of 40 bytes (see the top)
   int64_t k;
-  static constexpr int64_t SPAN_BYTES = 40;
+  static constexpr int64_t SPAN_BYTES = 40, SPAN_WORDS = SPAN_BYTES / 4;  // qlinear.SPAN_WORDS int32 words
 
   struct Span {
     __m256i v;
@@ -337,8 +337,8 @@ void check(const torch::Tensor& x, const torch::Tensor& d, int64_t k) {
 
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor spans) {
   TORCH_CHECK(spans.dim() == 2 && spans.scalar_type() == torch::kInt32 && spans.is_contiguous() &&
-                  spans.size(1) % 10 == 0, "bad Q4_1 spans: expected contiguous int32 [N, K / 64 * 10]");
-  const int64_t k = spans.size(1) / 10 * 64;
+                  spans.size(1) % Q4_1::SPAN_WORDS == 0, "bad Q4_1 spans: expected contiguous int32 [N, K / 64 * 10]");
+  const int64_t k = spans.size(1) / Q4_1::SPAN_WORDS * 64;
   check_x(x, k);
   return run(Q4_1{reinterpret_cast<const char*>(spans.data_ptr<int32_t>()), k}, x, spans.size(0));
 }
