@@ -1,9 +1,9 @@
-"""The target's decoder layers as one C++ call per pass on float32 CPUs (ddtree/kernels/decoder.cpp).
+"""The target's decoder layers as one C++ call per pass on float32 CPUs (kernels/decoder.cpp).
 
 Why: on a CPU a SmolLM2-135M plain step is ~55 ms, and ~15 ms of it were the ~20 small torch ops per layer
 (norms, RoPE, cache writes, SDPA setup, SiLU, residuals), each costing more in dispatch than in arithmetic. The
 stack does the same computation per layer in C++ and calls the same matmuls: torch's GEMV for one row, the
-row-invariant kernel (ddtree/kernels/qlinear.cpp) for 2-64 rows, the GGUF kernels for a quantized target. The
+row-invariant kernel (kernels/qlinear.cpp) for 2-64 rows, the GGUF kernels for a quantized target. The
 eager layers (ddtree.layers) stay the reference: DDTREE_CPU_KERNEL=0 runs them, and wider passes (a prompt's
 prefill) and anything the stack does not cover use them too.
 """

@@ -83,7 +83,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# Skinny float32 CPU products (2 to this many rows: verifies, draft blocks) run through ddtree/kernels/qlinear.cpp,
+# Skinny float32 CPU products (2 to this many rows: verifies, draft blocks) run through kernels/qlinear.cpp,
 # which beat torch's GEMM there on the AVX2 EPYC (1 thread, SmolLM2's 30 layers: 16 rows 117 against 157 ms,
 # 4 rows 73 against 114 ms; the drafter's 8K head at 7 rows 4.1 against 6.6 ms) and sums each output in one
 # order whatever the number of rows. DDTREE_CPU_KERNEL=0 keeps torch everywhere (the reference).

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError
+from .kernels import SOURCE_DIR
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d (, fp16 m), then the 32 weights' bits
@@ -90,8 +91,6 @@ def build_kernel(isa: str = "avx2"):
     isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and folder, so a cache shared
     by two kinds of CPU never loads it on one without them); every product keeps its order of sums, so the two
     builds give the same bits (tests/test_qlinear.py)."""
-    from pathlib import Path
-
     from .loading import cache_root
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -102,7 +101,7 @@ def build_kernel(isa: str = "avx2"):
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
     if isa == "avx512" and capability != "AVX512":
         raise ConfigError(f"DDTREE_CPU_ISA=avx512 on a CPU without AVX-512 (torch reports {capability!r}); unset it")
-    sources = [Path(__file__).resolve().parent / "kernels" / name for name in ("qlinear.cpp", "decoder.cpp")]
+    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp")]
     suffix = "" if isa == "avx2" else "_" + isa
     build = cache_root() / "torch_extensions" / ("qlinear" + suffix)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]

@@ -1,4 +1,4 @@
-"""The target's layers as one C++ call (ddtree/cpu_stack.py, ddtree/kernels/decoder.cpp) against the eager layers
+"""The target's layers as one C++ call (ddtree/cpu_stack.py, kernels/decoder.cpp) against the eager layers
 (the reference): the same pass within float32 rounding, the same tokens for every method, rows that do not
 depend on the width of the pass, and the cases it must leave to the eager path."""
 

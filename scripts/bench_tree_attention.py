@@ -16,7 +16,7 @@ Contenders, all producing out [Hq, N, D]:
 Each contender is checked against tree_attention_reference (fp32) first. Times: triton.testing.do_bench
 median. Bandwidth = bytes that must move (K/V rows [0, past+N) once + Q + out) / time, compared with a
 measured device-to-device copy (read + write bytes / time).
-Usage: python -m ddtree.kernels.bench_tree_attention [--past 1024 4096] [--nodes 16 64] [--sweep]; JSON -> $OUT.
+Usage: python scripts/bench_tree_attention.py [--past 1024 4096] [--nodes 16 64] [--sweep]; JSON -> $OUT.
 """
 from __future__ import annotations
 

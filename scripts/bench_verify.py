@@ -8,8 +8,8 @@ p=0.8 (else 2nd or 3rd): random weights alone would accept nothing, and the poin
 verify passes that accept realistic paths. Speedups are therefore upper-bound-ish; per-stage ms/step are
 the figures to read.
 
-    python -m ddtree.kernels.bench_verify 1024 4096          # context lengths; JSON to $OUT (default .)
-    SMOKE=1 python -m ddtree.kernels.bench_verify 64         # tiny CPU model, SDPA only: checks the script runs
+    python scripts/bench_verify.py 1024 4096          # context lengths; JSON to $OUT (default .)
+    SMOKE=1 python scripts/bench_verify.py 64         # tiny CPU model, SDPA only: checks the script runs
 """
 import json
 import os
