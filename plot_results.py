@@ -34,13 +34,11 @@ from ddtree import traces as tr  # noqa: E402
 from ddtree.benchmark import load_records, summarize  # noqa: E402
 from ddtree.config import ConfigError  # noqa: E402
 from ddtree.files import output_dir  # noqa: E402
-from ddtree.method_spec import MethodSpec  # noqa: E402
+from ddtree.method_spec import REFERENCE, MethodSpec  # noqa: E402
 from ddtree.stats import STAGES  # noqa: E402
 
 STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
                     verify="#dd8452", commit="#c44e52")
-# llama.cpp's plain greedy decoding (the llamacpp peer methods), drawn as reference lines beside ar
-PEER_LINES = {"llamacpp": ("#c44e52", "llama.cpp, same weights"), "llamacpp:gguf": ("#937860", "llama.cpp, GGUF file")}
 
 
 def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
@@ -60,8 +58,7 @@ def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
 
 def method_order(records: list[dict]) -> list[MethodSpec]:
     specs = {MethodSpec.parse(r["method"]) for r in records}
-    return sorted(specs, key=lambda s: ({"ar": 0, "hf": 1, "llamacpp": 2, "dflash": 3}.get(s.name, 4), s.label,
-                                        s.budget if isinstance(s.budget, int) else 1 << 30))
+    return sorted(specs, key=lambda s: (s.info.rank, s.label, s.budget if isinstance(s.budget, int) else 1 << 30))
 
 
 def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height: float = 3.6):
@@ -85,8 +82,8 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
     fig, panels = grid(cells, title)
     for cell, ax in panels.items():
         cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
-        tree = sorted((r for r in cell_rows if r["method"].startswith("ddtree") and r["budget"] != "auto"),
-                      key=lambda r: r["budget"])
+        specs = {r["method"]: MethodSpec.parse(r["method"]) for r in cell_rows}
+        tree = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)), key=lambda r: r["budget"])
         if tree:
             ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color="#dd8452", lw=2, label="DDTree")
             for r in tree:
@@ -96,13 +93,12 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
             ax.set_xticks([r["budget"] for r in tree], [str(r["budget"]) for r in tree])
             ax.minorticks_off()
         for r in cell_rows:
-            if r["method"] == "dflash":
-                ax.axhline(r[key], color="#4c72b0", ls="--", lw=1.5, label=f"DFlash ({r[key]:.2f})")
-            if r["method"] == "hf" and key == "speedup":
-                ax.axhline(r[key], color="#8c8c8c", ls=(0, (1, 1)), lw=1.5, label=f"HF generate() ({r[key]:.2f})")
-            if r["method"] in PEER_LINES and key == "speedup":  # llama.cpp's plain decoding: the CPU user's alternative
-                color, name = PEER_LINES[r["method"]]
-                ax.axhline(r[key], color=color, ls=(0, (5, 2)), lw=1.5, label=f"{name} ({r[key]:.2f})")
+            spec = specs[r["method"]]
+            if spec.name == REFERENCE or isinstance(spec.budget, int):  # ar: ar_value's line; budgets: the curve
+                continue
+            if not spec.info.takes_budget and (key == "speedup" or not spec.peer):  # peers: speed only
+                name, color = spec.info.style(spec.variant)
+                ax.axhline(r[key], color=color, ls=spec.info.linestyle, lw=1.5, label=f"{name} ({r[key]:.2f})")
             if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
                 chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
                 ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
@@ -121,7 +117,7 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
 def acceptance_hist(records, specs, cells, title: str):
     """Grouped bars (not overlaid histograms): methods with identical distributions stay visible."""
     fig, panels = grid(cells, title)
-    shown = [s for s in specs if s.name not in ("ar", "hf", "llamacpp")]
+    shown = [s for s in specs if s.info.uses_drafter]
     colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
     width = 0.8 / max(1, len(shown))
     for cell, ax in panels.items():
@@ -134,7 +130,7 @@ def acceptance_hist(records, specs, cells, title: str):
             xs = list(range(1, longest + 1))
             fractions = [lengths.count(x) / len(lengths) for x in xs]
             ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], fractions, width=width, color=color,
-                   label=f"{'DDTree ' + str(spec.budget) if spec.budget else 'DFlash'} "
+                   label=f"{spec.info.display}{f' {spec.budget}' if spec.budget else ''} "
                          f"(tau {sum(lengths) / len(lengths):.2f})")
         ax.set_xlabel("tokens accepted per verify step (bonus included)")
         ax.set_ylabel("fraction of steps")
@@ -150,7 +146,7 @@ def stage_bars(rows, cells, title: str):
     fig, panels = grid(cells, title, width=5.2)
     for cell, ax in panels.items():
         cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell
-                     and MethodSpec.parse(r["method"]).name not in ("hf", "llamacpp")]  # peers have no stages
+                     and not MethodSpec.parse(r["method"]).peer]  # peers have no stages
         names = [r["method"] for r in cell_rows]
         bottom = [0.0] * len(cell_rows)
         for stage in STAGES:

@@ -46,12 +46,9 @@ from .stats import STAGES
 # Presets: values used for options not given on the command line.
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
-    # that pay on a CPU (2 and 4 where the target's passes of up to 5 rows read exact GGUF blocks, 8 and 16 in
-    # bf16 on AMX) and auto, greedy and sampled, on the three sets. Sized from per-token costs (2 threads,
-    # shipped drafter, docs/cpu-speed.md): on the AVX2 EPYC in fp32 with the embedded target's exact blocks
-    # (ar ~17-25 ms/token that run) `bash run_benchmark.sh && python plot_results.py` took 3 min 40 s wall,
-    # the verify-cost calibration included. Without the blocks (DDTREE_GGUF_BLOCKS=0, ar ~30 ms/token) a method
-    # costs up to ~2x per token, so an estimated ~6-7 min (not timed this way).
+    # that pay on a CPU (where narrow passes read exact GGUF blocks) and the larger ones that pay where verifying
+    # is cheap (bf16 on AMX), and auto, greedy and sampled, on the three sets. Sized from per-token costs
+    # (docs/cpu-speed.md has the sizing); the run prints its own estimate after the warm-up.
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
     # llama-cpp-python and are skipped with a message without it.
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
@@ -189,8 +186,8 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
                   top_p=args.top_p, top_k=args.top_k)
     keys = {slot["method"]: slot["key"] for slot in group["slots"]}
 
-    def tamper(spec, tokens, rec):  # --inject-mismatch: corrupt one token of the first ddtree output
-        if spec.name == "ddtree" and inject:
+    def tamper(spec, tokens, rec):  # --inject-mismatch: corrupt one token of the first tree method's output
+        if spec.info.takes_budget and inject:
             inject.clear()
             pos = len(tokens) // 2
             tokens[pos:pos + 1] = [(tokens[pos] + 1) % pair.target.cfg.vocab_size] if tokens else [0]
@@ -246,9 +243,9 @@ def shout_error(rec: dict) -> None:
 
 
 def default_threads(world: int) -> int:
-    """Cores per process. On the 2-core AMX Xeon (SmolLM2-135M, bf16) two threads made a plain decoding step
-    1.6x faster than one (35.9 vs 56.7 ms); but threads contending with another busy process run several times
-    slower (OpenMP spin-waits), so pass --threads 1 on a shared machine."""
+    """Cores per process: on an idle machine two threads make a plain decoding step faster than one; but
+    threads contending with another busy process run several times slower (OpenMP spin-waits), so pass
+    --threads 1 on a shared machine."""
     return max(1, (os.cpu_count() or 1) // world)
 
 

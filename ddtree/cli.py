@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": s.as_dict()}))
                 return 0
             print(res.text)
-            print(f"\n[{s.method}{f' budget {s.budget}' if s.method == 'ddtree' else ''}] {s.new_tokens} tokens in "
+            print(f"\n[{s.method}{f' budget {s.budget}' if s.budget is not None else ''}] {s.new_tokens} tokens in "
                   f"{s.seconds:.2f}s = {s.tokens_per_second:.1f} tok/s, tau {s.tau:.2f}, "
                   f"TTFT {s.time_to_first_token * 1000:.0f} ms, stop: {s.stop_reason}, attention: "
                   f"{s.attention_backend}, backend: {s.backend}, drafter: {s.drafter or '-'}", file=sys.stderr)

@@ -78,6 +78,10 @@ class AR(Method):
     """Plain autoregressive decoding: the tree is the root alone."""
     uses_drafter = False
 
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "AR":
+        return cls(spec)
+
     def max_nodes(self) -> int:
         return 1
 
@@ -88,6 +92,10 @@ class DFlash(Method):
     def __init__(self, spec: MethodSpec, block_size: int):
         super().__init__(spec)
         self.block_size = block_size
+
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DFlash":
+        return cls(spec, check_block_size(block_size, drafter.block_size))
 
     def max_nodes(self) -> int:
         return self.block_size
@@ -105,14 +113,25 @@ class DDTree(Method):
     """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree.
 
     A tree of `budget` nodes is at most `budget` deep, so the drafter drafts min(block_size, budget + 1) positions:
-    the ones past that could only shape the others through the block's non-causal attention. Measured with the
-    shipped SmolLM2 drafter (block 8; 8 prompts x 96 tokens from each evaluation set, greedy), tau at budgets 2
-    and 4 moved by -1.1% to +0.6% against the full block, while a draft pass of 3-5 positions costs about half of
-    one of 8 on a CPU (1.7-1.9 against 3.3 ms on the AVX2 EPYC). From budget 7 on the whole block is drafted."""
+    the ones past that could only shape the others through the block's non-causal attention, which moved tau by
+    about a percent with the shipped drafter while a shorter draft pass costs less on a CPU (docs/cpu-speed.md).
+    From budget 7 on the whole block is drafted."""
 
     def __init__(self, spec: MethodSpec, budget: int, block_size: int):
         super().__init__(spec)
         self.budget, self.block_size = budget, min(block_size, budget + 1)
+
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DDTree":
+        """A fixed budget, or (spec.budget 'auto') the adaptive one, AdaptiveDDTree."""
+        block_size = check_block_size(block_size, drafter.block_size)
+        context = drafter.target.cfg.max_position_embeddings
+        if spec.adaptive:
+            return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size)
+        if spec.budget > context - 1:
+            raise ConfigError(f"budget {spec.budget} cannot help: a tree of {spec.budget} draft nodes and its root "
+                              f"must fit the target's context of {context} positions; use at most {context - 1}")
+        return cls(spec, spec.budget, block_size)
 
     def max_nodes(self) -> int:
         return self.budget + 1
@@ -201,26 +220,16 @@ class AdaptiveDDTree(DDTree):
 def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None,
                 drafter=None) -> Method:
     """A Method for `method` (a MethodSpec or its text: 'ar', 'dflash', 'ddtree', 'ddtree:32', 'ddtree:auto';
-    a bare 'ddtree' takes `budget`). Budgets and block sizes that cannot help are refused here, once."""
+    a bare 'ddtree' takes `budget`), made by its strategy in the method registry (method_spec.METHODS). Budgets
+    and block sizes that cannot help are refused here, once."""
     spec = MethodSpec.parse(method, budget)
-    if spec.name == "ar":
-        return AR(spec)
-    if spec.peer:
-        program = "Hugging Face generate()" if spec.name == "hf" else "llama.cpp's plain decoding"
-        raise ConfigError(f"method {spec.label!r} is {program} on the same weights: it runs in compare and the "
-                          "benchmark (greedy only), not in the decoding loop; use ar, dflash or ddtree here")
-    if drafter is None:
+    info = spec.info
+    if info.peer:
+        raise ConfigError(f"method {spec.label!r} is {info.summary}: another program, not the decoding loop; use "
+                          "ar, dflash or ddtree here")
+    if info.uses_drafter and drafter is None:
         raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
-    block_size = check_block_size(block_size, drafter.block_size)
-    if spec.name == "dflash":
-        return DFlash(spec, block_size)
-    context = drafter.target.cfg.max_position_embeddings
-    if spec.adaptive:
-        return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size)
-    if spec.budget > context - 1:
-        raise ConfigError(f"budget {spec.budget} cannot help: a tree of {spec.budget} draft nodes and its root must fit "
-                          f"the target's context of {context} positions; use at most {context - 1}")
-    return DDTree(spec, spec.budget, block_size)
+    return info.load().make(spec, drafter, block_size)
 
 
 def check_block_size(block_size, drafter_block: int) -> int:
@@ -242,8 +251,8 @@ class Decoder:
 
     def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
         """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, or with
-        RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (processing a 49K-token
-        distribution costs ~1 ms per node on a CPU, an LM-head row ~6.5 ms). logits: [N, V] or RowLogits.
+        RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (on a CPU processing a
+        whole-vocabulary distribution, and an LM-head row, cost real time per node). logits: [N, V] or RowLogits.
         Tests override this to plant a biased rule."""
         if sampling.greedy and isinstance(logits, torch.Tensor):
             return walk(tree, ancestors, choose(logits, sampling, generator))

@@ -49,8 +49,13 @@ class HFBaseline:
     """The `hf` method of the benchmark: greedy HF generate() on the pair's target weights, timed like a method.
     The copy of the weights is made on first use."""
 
-    def __init__(self, pair):
+    def __init__(self, pair, spec=None):
         self.pair, self.model = pair, None
+
+    @staticmethod
+    def problem() -> str | None:
+        """Why it cannot run here: never (transformers is a dependency)."""
+        return None
 
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
         from .api import GenerationResult

@@ -63,10 +63,13 @@ def exported_gguf(pair) -> Path:
 
 
 class LlamaCppBaseline:
-    """One llama.cpp model for one variant (None or 'gguf'), loaded on first use."""
+    """One llama.cpp model for one variant of the spec (None or 'gguf'), loaded on first use."""
 
-    def __init__(self, pair, variant: str | None = None):
-        self.pair, self.variant, self.model = pair, variant, None
+    def __init__(self, pair, spec=None):
+        self.pair, self.model = pair, None
+        self.variant = spec.variant if spec is not None else None
+
+    problem = staticmethod(llamacpp_problem)
 
     def path(self) -> Path:
         if self.variant == "gguf" or getattr(self.pair.target, "quant", None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .method_spec import MethodSpec
+from .method_spec import REFERENCE, MethodSpec
 from .stats import STAGES
 
 
@@ -37,7 +37,7 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
     first difference) and never an error. tamper(spec, tokens, record) -> tokens
     may alter a method's tokens before the check (the benchmark's self-test of the checker); on_record(record)
     is called as each method finishes (progress, incremental writes)."""
-    if specs[0].name != "ar":
+    if specs[0].name != REFERENCE:
         raise ValueError("the first method must be ar: its tokens are the reference")
     records, reference = [], None
     for spec in specs:
@@ -54,11 +54,11 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         rec = {**res.stats.as_dict(), "method": spec.label, "method_name": spec.name}  # the label over the
         if tamper is not None:  # stats' bare name
             tokens = tamper(spec, tokens, rec)
-        if spec.name == "ar":
+        if spec.info.check == "reference":
             reference, rec["check"] = (res.prompt_ids, tokens), "reference"
         elif settings.temperature > 0:
             rec["check"] = "skipped (T > 0)"
-        elif spec.name == "llamacpp":  # other arithmetic: report how far it agrees, never fail
+        elif spec.info.check == "agreement":  # other arithmetic (llama.cpp): report how far it agrees, never fail
             rec["agreement"] = agreement(reference[1], tokens)
             rec["check"] = "identical" if tokens == reference[1] else "differs (llama.cpp)"
         else:
@@ -82,7 +82,7 @@ def agreement(reference: list[int], tokens: list[int]) -> float:
 def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
     """One row per spec with records, over records of one setting (one dataset and temperature): tau, tokens/s,
     speedup over ar on the same prompts (by `prompt_index`), ms per generated token by stage, check counts."""
-    ar = {r["prompt_index"]: r for r in records if r["method"] == "ar"}
+    ar = {r["prompt_index"]: r for r in records if r["method"] == REFERENCE}
     rows = []
     for spec in specs:
         recs = [r for r in records if r["method"] == spec.label]
