@@ -1,17 +1,15 @@
 """Inference layouts of a loaded model's weights: fewer, larger matmuls per layer and a CPU-friendly LM head.
 
-Profiled on a 2-core AMD EPYC (AVX2, fp32, SmolLM2-135M, 1 thread), a 1-token target pass is ~85% matmuls;
-per layer it made 7 of them (q, k, v, o, gate, up, down) plus two separate RoPE applications. Fusing q/k/v into
+A small model's 1-token target pass on a CPU is mostly matmuls; per layer it made 7 of them (q, k, v, o, gate, up, down) plus two separate RoPE applications. Fusing q/k/v into
 one [(Hq + 2 Hkv) * D, H] weight and gate/up into one [2 I, H] weight makes it 4 matmuls and one RoPE. The
 fused weights are built once at load, and the original q/k/v/gate/up parameters become row-slice VIEWS of them,
 so nothing is stored twice and the state dict (names, shapes, values) is unchanged.
 
 One-row passes (plain decoding): for a weight with more outputs than inputs, `F.linear(x, W)` streams W at
-about half the memory bandwidth that `x @ W.T` reaches with W.T stored contiguous (measured on that CPU, 30
-layers' weights, cold cache: gate/up [3072, 576] 26 -> 13 ms, qkv [960, 576] 12.6 -> 8.8 ms, the tied LM head
-[49152, 576] 14 -> 6-7 ms; o [576, 576] and down [576, 1536] are as fast or faster with F.linear). So a float32
-CPU target keeps contiguous [in, out] copies of the fused qkv, gate/up and the LM head for one-row passes;
-wider passes (verify, prefill) keep F.linear, which was as fast or faster there (4 rows: 50 against 91 ms).
+a fraction of the memory bandwidth that `x @ W.T` reaches with W.T stored contiguous (docs/cpu-speed.md); o
+and down, with fewer outputs than inputs, are as fast with F.linear. So a float32 CPU target keeps contiguous
+[in, out] copies of the fused qkv, gate/up and the LM head for one-row passes; wider passes (verify, prefill)
+keep F.linear, which is as fast or faster there.
 Where the C++ layer stack packs the layers' weights (ddtree.cpu_stack.packs), its kernel runs their one-row
 passes as fast or faster, and TargetModel.fuse drops the layers' copies again (only the LM head's stays).
 
@@ -25,7 +23,7 @@ from torch import nn
 
 from .layers import DecoderLayer
 
-# The 1-row copies cost memory: qkv, gate/up and the LM head stored twice (+390 MB, ~70% of SmolLM2-135M's 540 MB).
+# The 1-row copies cost memory: qkv, gate/up and the LM head stored twice (most of a small model's weights again).
 # Worth it on small CPU targets, where plain decoding is bound by how fast these weights stream.
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 

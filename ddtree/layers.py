@@ -30,8 +30,8 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE cos/sin for the positions of one forward pass. On a CPU they are rows of a table computed once for
-    positions 0..n-1 (n doubled when a pass goes past it) by the same ops: one index op per pass instead of ~8
-    (0.1-0.17 ms a pass for SmolLM2's target and drafter on the AVX2 EPYC, three passes a speculative step)."""
+    positions 0..n-1 (n doubled when a pass goes past it) by the same ops: one index op per pass instead of ~8,
+    whose dispatch costs more than their arithmetic (three passes a speculative step)."""
     TABLE_MIN = 1024
 
     def __init__(self, cfg: ModelConfig):
@@ -84,18 +84,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # Skinny float32 CPU products (2 to this many rows: verifies, draft blocks) run through kernels/qlinear.cpp,
-# which beat torch's GEMM there on the AVX2 EPYC (1 thread, SmolLM2's 30 layers: 16 rows 117 against 157 ms,
-# 4 rows 73 against 114 ms; the drafter's 8K head at 7 rows 4.1 against 6.6 ms) and sums each output in one
-# order whatever the number of rows. DDTREE_CPU_KERNEL=0 keeps torch everywhere (the reference).
+# which is faster than torch's GEMM at these shapes (docs/cpu-speed.md) and sums each output in one order
+# whatever the number of rows. DDTREE_CPU_KERNEL=0 keeps torch everywhere (the reference).
 SKINNY_MAX_ROWS = 64
 
 
 def project(x: torch.Tensor, weight, weight_t: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x [N, in], weight [out, in], bias) -> [N, out]. A single row with weight_t (weight's contiguous
     transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t on one thread: for out > in
-    that GEMV streams the weight ~1.5-2x faster than F.linear's on the AVX2 EPYC. On more threads that row goes
-    to the CPU kernel (above) instead, which splits the rows of the weight over the threads where torch's GEMV
-    does not (SmolLM2's LM head on 2 threads: 4.1 against 5.3 ms). 2-64 float32 CPU rows go to the kernel where it
+    that GEMV streams the weight faster than F.linear's. On more threads that row goes to the CPU kernel
+    (above) instead, which splits the rows of the weight over the threads where torch's GEMV does not. 2-64 float32 CPU rows go to the kernel where it
     is available, others to F.linear. A quantized weight (ddtree.qlinear.QWeight, not a tensor) runs its own
     kernel."""
     rows = x.shape[0]

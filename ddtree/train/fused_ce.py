@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 CHUNK_ROWS = 256  # [256, 49152] fp32 = 48 MB per block
-# exp() of arguments below about -88 (results that underflow float32) ran ~12x slower on this CPU, and an
+# exp() of arguments below about -88 (results that underflow float32) runs far slower on x86 CPUs, and an
 # untrained drafter's logits span hundreds: clamping there first changes each probability by < 2e-35.
 EXP_FLOOR = -80.0
 
