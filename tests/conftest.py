@@ -13,8 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ddtree.config import SamplingParams
+from ddtree.drafter import untrained_drafter
 from ddtree.engine import Decoder, make_method
-from ddtree.testing import random_pair
+from ddtree.testing import random_pair, random_target
+from ddtree.train.data import GenerationSettings, generate_data
+from ddtree.train.prompts import Prompt
+from ddtree.train.trainer import TrainConfig
 
 torch.set_num_threads(1)  # tiny models: per-op overhead dominates, threads only contend
 
@@ -30,8 +34,11 @@ def _verify_costs_in_a_temporary_folder(tmp_path_factory):
         yield
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M target (slower; CI runs it)")
+def pytest_collection_modifyitems(items):
+    """A test of the real embedded model is a slow one too: `-m "not slow"` leaves it out."""
+    for item in items:
+        if item.get_closest_marker("real_model") is not None:
+            item.add_marker(pytest.mark.slow)
 
 
 def plant_oracle(drafter, reference: list[int], seed: int = 0, top1: float = 0.6, vocab_noise: float = 1.0):
@@ -85,3 +92,42 @@ def assert_same_tokens(pair_a, pair_b, what: str, seed: int, prompts: int = 4) -
             a, _ = run(*pair_a, prompt, method, budget=16, max_new_tokens=24)
             b, _ = run(*pair_b, prompt, method, budget=16, max_new_tokens=24)
             assert a == b, f"{method} differs between {what}"
+
+
+# --- the training tests' shared data (tests/test_train_*.py, test_trainer.py) ---------------------------------
+def id_prompts(n, vocab, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [Prompt(f"ids/{i}", "ids", ids=torch.randint(3, vocab, (6 + i % 5,), generator=gen).tolist())
+            for i in range(n)]
+
+
+def repeating_target():
+    """A tiny random Llama whose layers add nothing (o_proj and down_proj zeroed): with tied embeddings its
+    greedy continuation repeats the last token, which a drafter can learn in a few dozen steps."""
+    target = random_target("llama", seed=7, init_scale=0.3)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    target = repeating_target()
+    out = tmp_path_factory.mktemp("data")
+    settings = GenerationSettings(max_new_tokens=40, slots=4, chunk_size=8, sampled_fraction=0.0)
+    generate_data(target, None, id_prompts(40, target.cfg.vocab_size), out, settings, stop_ids=(),
+                  heldout_fraction=0.1, progress=False)
+    return target, out
+
+
+def train_config(**kw):
+    base = dict(lr=3e-3, epochs=4, seqs_per_step=2, anchors=16, warmup=0.1, eval_prompts=0, val_sequences=4,
+                checkpoint_every=0, progress=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def new_drafter(target, draft_vocab=None):
+    return untrained_drafter(target, num_layers=1, block_size=8, seed=1, mask_token_id=0,
+                             draft_vocab=draft_vocab).requires_grad_(True)

@@ -1,0 +1,191 @@
+"""The trainer (ddtree/train/trainer.py): the loss drops and the exported drafter is lossless, exact resume,
+packed steps equal per-sequence ones, bf16 targets, logging and evaluation on resume."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ddtree.api import Pair
+from ddtree.drafter import DFlashDrafter, untrained_drafter
+from ddtree.testing import random_target
+from ddtree.train.data import read_sequences
+from ddtree.train.model import sample_anchors, target_features
+from ddtree.train.trainer import Trainer, drafter_from_checkpoint, resume_config
+from conftest import new_drafter, train_config
+
+torch.set_num_threads(1)
+
+
+def test_resume_keeps_the_runs_evaluation_settings_unless_given():
+    saved = vars(train_config(eval_every=300, eval_ddtree_budget=32, max_minutes=6.0, max_steps=9))
+    now = train_config(max_minutes=5.0)  # this command line set only --max-minutes (the rest are defaults)
+    cfg = resume_config(saved, now, given={"max_minutes"})
+    assert (cfg.eval_every, cfg.eval_ddtree_budget, cfg.max_minutes, cfg.max_steps) == (300, 32, 5.0, None)
+    cfg = resume_config(saved, train_config(eval_ddtree_budget=0), given={"eval_ddtree_budget"})
+    assert cfg.eval_ddtree_budget == 0 and cfg.eval_every == 300
+    assert resume_config(saved, now).eval_ddtree_budget == now.eval_ddtree_budget  # no `given`: all runtime fields
+
+
+def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
+    target, data = tiny_data
+    train, heldout = read_sequences(data, "train"), read_sequences(data, "heldout")
+    trainer = Trainer(train_config(eval_prompts=2, eval_max_new_tokens=16), target, new_drafter(target), train,
+                      tmp_path / "run", heldout)
+    assert trainer.run() == "done" and trainer.step == trainer.total_steps == 4 * (len(train) // 2)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if r["kind"] == "train"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert evals and evals[-1]["tau_dflash"] >= 1.0 and "val_loss" in evals[-1]
+    drafter = DFlashDrafter.load(tmp_path / "run" / "drafter").bind(target)
+    pair = Pair(target, drafter, None)
+    taus = []
+    for seq in heldout[:2] + train[:2]:
+        prompt = seq.tokens[: seq.prompt_len]
+        ref = pair.generate(prompt, method="ar", max_new_tokens=30).token_ids
+        for method in ("dflash", "ddtree"):
+            res = pair.generate(prompt, method=method, budget=8, max_new_tokens=30)
+            assert res.token_ids == ref
+            taus.append(res.stats.tau)
+    assert max(taus) > 3.0  # the trained drafter drafts several tokens the target accepts
+
+
+@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["ce", "distill-vocab"])
+def test_resume_matches_uninterrupted_run(tiny_data, tmp_path, distill, vocab):
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:12]
+    kw = dict(val_sequences=0, distill=distill, distill_topk=4)
+    full = Trainer(train_config(max_steps=6, **kw), target, new_drafter(target, vocab), train, tmp_path / "a")
+    full.run()
+    part = Trainer(train_config(max_steps=3, **kw), target, new_drafter(target, vocab), train, tmp_path / "b")
+    assert part.run() == "paused"
+    drafter, state = drafter_from_checkpoint(tmp_path / "b" / "checkpoint.pt", target)
+    cfg = resume_config(state["config"], train_config(max_steps=6, **kw))
+    resumed = Trainer(cfg, target, drafter.requires_grad_(True), train, tmp_path / "b")
+    resumed.load_state(state)
+    resumed.run()
+    assert resumed.step == full.step == 6 and resumed.label_tokens == full.label_tokens
+    for (name, p), q in zip(full.drafter.named_parameters(), resumed.drafter.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    sa, sb = full.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    for k in sa:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(sa[k][field], sb[k][field], rtol=0, atol=0)
+    la = [json.loads(x)["loss"] for x in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    lb = [json.loads(x)["loss"] for x in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert la == lb  # steps 1-3 from the first run, 4-6 from the resumed one
+
+
+@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["ce", "distill-vocab"])
+def test_packed_pass_equals_the_sum_of_single_sequence_passes(distill, vocab):
+    from ddtree.train.model import DraftLoss
+
+    target = random_target("llama", seed=11)
+    drafter = new_drafter(target, vocab)
+    gen = torch.Generator().manual_seed(4)
+    examples = []
+    for length, prompt_len in ((23, 5), (9, 3), (31, 12)):
+        tokens = torch.randint(0, target.cfg.vocab_size, (length,), generator=gen)
+        feats, teacher = target_features(target, tokens, drafter.cfg.target_layer_ids, topk=4)
+        anchors = sample_anchors(prompt_len, length, 6, gen)
+        examples.append((tokens, feats, anchors, teacher if distill else None))
+    loss_model = DraftLoss(drafter, target, distill=distill)
+
+    def loss_and_grads(run):
+        drafter.zero_grad(set_to_none=True)
+        loss, stats = run()
+        loss.backward()
+        return loss.detach(), stats, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    def separate():
+        outs = [loss_model(t, f, a, teacher=tc) for t, f, a, tc in examples]
+        return sum(o[0] for o in outs), {k: sum(o[1][k] for o in outs) for k in outs[0][1]}
+
+    packed_inputs = Trainer._packed(examples)
+    tokens, feats, anchors, teacher, bounds = packed_inputs
+    assert bounds.tolist() == [0, 23, 32, 63] and anchors.numel() == sum(e[2].numel() for e in examples)
+    ref_loss, ref_stats, ref_grads = loss_and_grads(separate)
+    for dense in (False, True):
+        loss, stats, grads = loss_and_grads(
+            lambda: loss_model(tokens, feats, anchors, dense=dense, teacher=teacher, bounds=bounds))
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for k in ("w_sum", "correct", "labels"):
+            assert float(stats[k]) == pytest.approx(float(ref_stats[k]), rel=1e-6), k
+        assert len(grads) == len(ref_grads) > 0
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_training_matches_one_pass_per_sequence(tiny_data, tmp_path):
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:12]
+    kw = dict(val_sequences=0, max_steps=4, seqs_per_step=4, distill=0.5, distill_topk=4)
+    one = Trainer(train_config(**kw), target, new_drafter(target), train, tmp_path / "a")
+    packed = Trainer(train_config(pack_tokens=100, **kw), target, new_drafter(target), train, tmp_path / "b")
+    lengths = [len(s.tokens) for s in train[:4]]
+    assert 1 < len(packed._packs([(torch.zeros(n),) for n in lengths])) < 4  # some passes hold several sequences
+    one.run()
+    packed.run()
+    assert one.label_tokens == packed.label_tokens
+    for (name, p), q in zip(one.drafter.named_parameters(), packed.drafter.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_bf16_target_trains_fp32_drafter(tiny_data, tmp_path):
+    """The GPU setting: a bf16 target, fp32 master weights for the drafter, bf16 autocast, evaluation with a
+    bf16 copy of the drafter."""
+    target, data = tiny_data
+    target16 = random_target("llama", seed=7, init_scale=0.3, dtype=torch.bfloat16)
+    train = read_sequences(data, "train")[:4]
+    drafter = untrained_drafter(target16, 1, 8, seed=1, mask_token_id=0).float().requires_grad_(True)
+    trainer = Trainer(train_config(epochs=1, eval_prompts=1, eval_max_new_tokens=8, val_sequences=1, bf16=True), target16,
+                      drafter, train, tmp_path / "run", train[:1])
+    assert trainer.run() == "done"
+    assert drafter.fc.weight.dtype == torch.float32
+    assert DFlashDrafter.load(tmp_path / "run" / "drafter").cfg.block_size == 8
+
+
+def _log(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_resume_logs_each_step_once_and_does_not_evaluate_a_finished_run_again(tiny_data, tmp_path):
+    target, data = tiny_data
+    train, heldout = read_sequences(data, "train")[:8], read_sequences(data, "heldout")
+    cfg = train_config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=1)
+    run = tmp_path / "run"
+    Trainer(replace(cfg, max_steps=2), target, new_drafter(target), train, run, heldout).run()
+    # killed after logging step 3 (and half of a line) but before its checkpoint: step 3 is trained again
+    with open(run / "log.jsonl", "a") as f:
+        f.write(json.dumps({**_log(run)[-1], "step": 3}) + "\n" + '{"kind": "tr')
+
+    def resume():
+        drafter, state = drafter_from_checkpoint(run / "checkpoint.pt", target)
+        trainer = Trainer(resume_config(state["config"], cfg), target, drafter.requires_grad_(True), train, run,
+                          heldout)
+        trainer.load_state(state)
+        return trainer.run()
+
+    assert resume() == "done"
+    steps = [r["step"] for r in _log(run) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    evals = [r for r in _log(run) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4] and evals[0]["tau_prompts"] == "heldout"
+    before = _log(run)
+    assert resume() == "done"
+    assert _log(run) == before  # the finished run once more: nothing trained, step 4 not evaluated again
+
+
+def test_tau_on_training_prompts_is_labelled(tiny_data, tmp_path):
+    """Without held-out sequences tau can only be measured on training prompts: the log and the card say so."""
+    from ddtree.train.card import model_card
+
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:4]
+    trainer = Trainer(train_config(epochs=1, eval_prompts=1, eval_max_new_tokens=4, val_sequences=0), target,
+                      new_drafter(target), train, tmp_path / "run", heldout=[])
+    trainer.run()
+    assert [r["tau_prompts"] for r in _log(tmp_path / "run") if r["kind"] == "eval"] == ["train"]
+    card = model_card(trainer.state(), tmp_path / "run", None, "float32", "t")
+    assert "## Training curve" in card and "TRAINING prompts" in card and "held-out prompts" not in card
