@@ -136,7 +136,7 @@ def drafter_fingerprint(pair) -> str:
 
 def dtype_label(pair) -> str:
     """The pair's dtype, with the target's quantization when it runs on GGUF blocks: "float32 gguf Q4_1/Q8_0"."""
-    quant = getattr(pair.target, "quant", None)
+    quant = pair.target.quant
     return str(pair.dtype).removeprefix("torch.") + (f" {quant}" if quant else "")
 
 

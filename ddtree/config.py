@@ -1,10 +1,13 @@
-"""Validated configuration dataclasses: the target architecture, the drafter, and sampling."""
+"""Validated configuration dataclasses: the target architecture, the drafter, and sampling; reading a model
+directory's config.json."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -165,3 +168,14 @@ class SamplingParams:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def read_config(directory: Path) -> dict:
+    """A model directory's config.json as a dict, or a ConfigError that names what is wrong."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory} has no config.json: expected a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); the download is probably corrupt") from e

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_stack, qlinear
+from . import cpu_stack
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .loading import cache_root
 
@@ -63,10 +63,7 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                          len(drafter.cfg.target_layer_ids)],
                 drafter_storage=cpu_stack.storage(drafter.layers[0].mlp.gate_proj.weight),  # q8 / bf16 / float32
                 block_size=block_size, max_nodes=max_nodes,
-                **({"quant": target.quant} if getattr(target, "quant", None) else {}),  # quant="gguf": other costs
-                **({"cpu_layers": True, "cpu_kernel": qlinear.kernel().isa}  # cpu_stack.py, on this kernel build
-                   if getattr(target, "stack", None) is not None else {}),
-                **({"exact_blocks": True} if getattr(target, "blocks", None) is not None else {}))  # exact_blocks.py
+                **target.describe())  # its fast paths: quantization, C++ layers and kernel build, exact blocks
 
 
 def costs_dir() -> Path:

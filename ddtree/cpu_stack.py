@@ -14,8 +14,8 @@ import operator
 import torch
 
 from . import qlinear
-from .exact_blocks import layer_max_rows
 from .layers import SKINNY_MAX_ROWS
+from .qlinear import layer_max_rows
 
 F32, Q4_1, Q8_0, BF16, F32P = 1, 2, 3, 4, 5  # decoder.cpp's Linear kinds
 # float32 layer weights up to this size get a packed copy too (qlinear.pack_rows: 1-3-row passes 1.08-1.24x faster
@@ -103,20 +103,22 @@ def packs(layers) -> bool:
 
 
 _version = operator.attrgetter("_version")
-_registrations = [0]  # parameters and submodules registered (or replaced) on any module so far
+_registrations = [0, False]  # parameters and submodules registered (or replaced) since the hooks; hooks installed
 
 
 def _count_registration(*_):
     _registrations[0] += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
-
-
 def registrations() -> int:
     """Changes whenever any module gains or replaces a parameter or submodule (attribute assignment included): a
-    parameter list cached under this number is still the module's while the number is the same."""
+    parameter list cached under this number is still the module's while the number is the same. The global
+    registration hooks that count them are installed on the first call (when the first WeightsWatch is made,
+    at load), not on import: importing ddtree changes nothing in torch."""
+    if not _registrations[1]:
+        torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+        _registrations[1] = True
     return _registrations[0]
 
 

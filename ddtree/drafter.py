@@ -17,7 +17,7 @@ from torch import nn
 
 from . import cpu_stack, qlinear
 from .attention import Visibility, attend, window_visible
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, read_config
 from .kv_cache import ContextCache, KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary, linear
 
@@ -169,6 +169,8 @@ def _attention_options(cfg: dict, dflash: dict, num_layers: int) -> dict:
 
 
 class DFlashDrafter(nn.Module):
+    label = ""  # what the stats call it: "shipped", "untrained" or the path it was loaded from (ddtree.load)
+
     def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa"):
         super().__init__()
         m = cfg.model
@@ -350,7 +352,7 @@ class DFlashDrafter(nn.Module):
              attention_backend: str = "sdpa", target=None) -> "DFlashDrafter":
         """With `target`, its config is checked against the drafter's before any weights are read (the
         mismatch named, not a size error), and the drafter comes back bound to it."""
-        from .loading import check_shapes, read_config, read_safetensors
+        from .loading import check_shapes, read_safetensors
 
         directory = Path(directory)
         cfg = DrafterConfig.from_hf(read_config(directory))

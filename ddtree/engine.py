@@ -293,8 +293,8 @@ class Decoder:
         taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
         stats = GenerationStats(method.name, method.spec.budget, method.longest_draft(), m,
                                 attention_backend=target.attention_backend,
-                                backend=getattr(target, "backend", "own"),
-                                drafter=getattr(drafter, "label", "") if method.uses_drafter else "")
+                                backend=target.backend,
+                                drafter=drafter.label if method.uses_drafter else "")
         timer = StageTimer(device)
         t0 = time.perf_counter()
 
@@ -319,7 +319,7 @@ class Decoder:
                 vis = Visibility(start, ancestors)
                 positions = torch.from_numpy(tree.depths).to(device) + start
             with timer("verify"):
-                lazy = {"row_logits": True} if getattr(target, "lazy_logits", lambda n: False)(tree.size) else {}
+                lazy = {"row_logits": True} if target.lazy_logits(tree.size) else {}
                 out = target(tree.tokens, positions, tcache, vis, taps, **lazy)
                 path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
             with timer("commit"):

@@ -16,7 +16,6 @@ DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison wi
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -26,37 +25,10 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
-from .qlinear import QWeight
+from .qlinear import QWeight, head_max_rows, layer_max_rows  # noqa: F401 (the blocks' row limits)
 
 FORMAT = 2  # 2: Q4_1 in 40-byte spans with fp16 scales (1: lanes, d and m apart)
 SLOTS = ("qkv", "o", "gate_up", "down")
-# Passes of up to layer_max_rows() rows read the blocks. Compute-bound past a few rows (the Q4_1 kernel dequantizes
-# in registers for every pass), so wider ones keep the float weights. SmolLM2 on the 2-core AVX2 EPYC: its 30
-# layers' matmuls alone, Q4_1 against packed float32 (ms), 2 threads 1 row 8.1 / 19.3, 3 rows 9.3 / 22.7, 5 rows
-# 11.7 / 25.3, 7 rows 19.5 / 23.1, 9 rows 21.9 / 22.6; 1 thread 1 row 13.0 / 28.0, 5 rows 20.8 / 33.5, 7 rows 38.0 /
-# 34.8, 9 rows 41.5 / 35.1 (from 6 rows the AVX2 build stores dequantized tiles and sweeps them). The AVX-512
-# build takes up to 12 rows in one pass (qlinear.cpp): on a 2-core Zen 4 EPYC, 2 threads, 9 rows 15.9 / 24.0,
-# 12 rows 20.4 / 26.3, 13 rows (stored and swept again) 24.4 / 25.8.
-AVX2_LAYER_MAX_ROWS = 5
-# The Q8_0 LM head (49152 x 576), against the float one through the row kernel (ms): AVX2 EPYC, 2 threads 1 row
-# 2.0 / 5.2, 5 rows 3.8 / 5.1, 9 rows 4.9 / 6.4, 17 rows 7.7 / 7.5; 1 thread 1 row 3.7 / 9.2, 9 rows 9.6 / 9.9.
-# Zen 4 with the AVX-512 build, 2 threads: 9 rows 3.8 / 5.5, 12 rows 5.2 / 6.0.
-AVX2_HEAD_MAX_ROWS = 9
-
-
-@functools.cache
-def layer_max_rows() -> int:
-    """Passes of up to this many rows read the layers' blocks: as many as one pass of the kernel's build takes."""
-    from . import qlinear
-
-    return qlinear.kernel().wide_pass_rows if qlinear.cpu_kernel_available() else AVX2_LAYER_MAX_ROWS
-
-
-@functools.cache
-def head_max_rows() -> int:
-    """Passes of up to this many rows read the LM head's blocks."""
-    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows())
-
 
 @dataclass
 class ExactBlocks:
@@ -95,7 +67,7 @@ def attach(target, gguf_path: Path, conversion: Path) -> bool:
     """Give a float32 CPU target (loaded from the conversion `conversion` of `gguf_path`) its exact GGUF blocks,
     from the cache or checked and cached now. False, and the target unchanged, where it cannot take them: not
     float32 on a CPU with the C++ stack, a GGUF whose blocks are not these weights, or DDTREE_GGUF_BLOCKS=0."""
-    if not enabled() or getattr(target, "stack", None) is None or getattr(target, "quant", None):
+    if not enabled() or target.backend != "own" or target.stack is None or target.quant:
         return False  # the generic transformers backend has no stack; a quant='gguf' target has its blocks already
     if target.dtype != torch.float32:
         return False

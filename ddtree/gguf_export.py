@@ -77,9 +77,9 @@ def write_gguf(target, path: str | Path, template: str | Path, quant: str | None
     import gguf
 
     arch = target.cfg.arch
-    if getattr(target, "backend", "own") != "own" or arch not in GGUF_ARCHS:
+    if target.backend != "own" or arch not in GGUF_ARCHS:
         raise ConfigError(f"writing a GGUF needs an own-backend target of {', '.join(GGUF_ARCHS)}; got "
-                          f"{getattr(target, 'backend', '?')} / {arch}")
+                          f"{target.backend} / {arch}")
     if target.dtype not in FILE_TYPES:
         raise ConfigError(f"llama.cpp comparison needs a float32 or bfloat16 target, not {target.dtype}")
     if quant not in (None, *QUANT_FILE_TYPES) or (quant and target.dtype != torch.float32):

@@ -12,13 +12,13 @@ def to_hf_model(target):
     (on the hf backend, the target's own model)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if getattr(target, "hf", None) is not None:
+    if target.backend != "own":  # the generic backend holds a transformers model already
         return target.hf
 
     cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
     hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype)
-    if getattr(target, "quant", None):  # a GGUF-quantized target: the same weights, dequantized (exactly)
+    if target.quant:  # a GGUF-quantized target: the same weights, dequantized (exactly)
         from .quant_target import dequantized_state
 
         state = dequantized_state(target)

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Visibility
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, read_config
 from .hf_cache import TreeCache
-from .target import TargetOutput
+from .protocol import TargetOutput
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # Models whose layers carry a recurrent state (linear attention, SSM, RNN) instead of, or besides, a KV cache.
@@ -143,6 +143,14 @@ class HFTarget(nn.Module):
     def new_cache(self, capacity: int) -> TreeCache:
         return TreeCache(self.layer_types, self.windows, capacity)
 
+    quant = None  # the model's own weights, whatever they are
+
+    def lazy_logits(self, rows: int) -> bool:
+        return False  # forward() has no row_logits: the model's head runs over all rows
+
+    def describe(self) -> dict:
+        return {}  # shape, dtype, device and backend say it all
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TreeCache, vis: Visibility,
                 tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:
@@ -190,8 +198,6 @@ class HFTarget(nn.Module):
 def load_hf_target(directory: Path, dtype: torch.dtype, device, attention_backend: str = "auto") -> HFTarget:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from .loading import read_config
 
     arch = read_config(directory).get("model_type")
     try:

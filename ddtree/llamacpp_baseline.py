@@ -72,7 +72,7 @@ class LlamaCppBaseline:
     problem = staticmethod(llamacpp_problem)
 
     def path(self) -> Path:
-        if self.variant == "gguf" or getattr(self.pair.target, "quant", None):
+        if self.variant == "gguf" or self.pair.target.quant:
             # a target running on its GGUF's blocks (quant='gguf'): that file IS its weights in its precision
             if self.pair.source_gguf is None:
                 raise ConfigError("llamacpp:gguf runs the GGUF file the target was loaded from, and this target was "

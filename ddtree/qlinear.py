@@ -298,3 +298,23 @@ class QLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight.matmul(x)
         return y if self.bias is None else y + self.bias
+
+
+# Exact GGUF blocks (ddtree/exact_blocks.py) serve passes of up to layer_max_rows() / head_max_rows() rows. The
+# dequantizing pass is compute-bound past a few rows (it dequantizes in registers for every pass, and past one
+# pass's rows it stores dequantized tiles and sweeps them), so wider passes keep the float weights. Where the
+# crossings lie on real CPUs is in docs/cpu-speed.md.
+AVX2_LAYER_MAX_ROWS = 5  # the AVX2 build's WIDE_PASS_ROWS: one dequantizing pass
+AVX2_HEAD_MAX_ROWS = 9  # a Q8_0 head (8.5 bits a weight) stays ahead of the float head up to here
+
+
+@functools.cache
+def layer_max_rows() -> int:
+    """Passes of up to this many rows read the layers' blocks: as many as one pass of the kernel's build takes."""
+    return kernel().wide_pass_rows if cpu_kernel_available() else AVX2_LAYER_MAX_ROWS
+
+
+@functools.cache
+def head_max_rows() -> int:
+    """Passes of up to this many rows read the LM head's blocks."""
+    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows())

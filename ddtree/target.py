@@ -1,8 +1,6 @@
 """The target model: a Llama/Qwen-family decoder with a preallocated KV cache and tap-layer capture."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -11,6 +9,7 @@ from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary, project
+from .protocol import RowLogits, TargetOutput
 
 
 class _Backbone(nn.Module):
@@ -21,30 +20,7 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-@dataclass
-class TargetOutput:
-    logits: "torch.Tensor | RowLogits"  # [N, V] ([1, V] with last_only; RowLogits with row_logits=True)
-    taps: torch.Tensor | None  # [N, len(tap_layers) * hidden]: the drafter's context features
-
-
 ROW_LOGITS_MIN_ROWS = 12  # float32, one thread: from here RowLogits beat all rows at once (lazy_logits)
-
-
-class RowLogits:
-    """A verify pass's logits, computed only for the rows asked for: `logits[i:i + 1]` -> [1, V] through the
-    1-row LM head, `logits[:]` -> all [N, V]. Why: a tree walk reads the target's choice only at the nodes on
-    its path (tau of them, ~2 for the shipped drafter), and on a float32 CPU one 1-row LM-head pass streams
-    the [V, H] head in ~6.5 ms (SmolLM2) while all N rows cost compute: 16 rows ~40-60 ms on the AVX2 EPYC."""
-
-    def __init__(self, target: "TargetModel", hidden: torch.Tensor):
-        self.target, self.hidden = target, hidden  # hidden: final-normed [N, H]
-        self.shape = (hidden.shape[0], target.cfg.vocab_size)
-
-    @torch.inference_mode()  # read after the pass, outside its inference mode; hidden is an inference tensor
-    def __getitem__(self, rows) -> torch.Tensor:
-        if not isinstance(rows, slice):
-            raise TypeError("RowLogits are read by row slices, e.g. logits[i:i + 1] or logits[:]")
-        return self.target.logits(self.hidden[rows])
 
 
 class TargetModel(nn.Module):
@@ -149,6 +125,18 @@ class TargetModel(nn.Module):
         if self.blocks is not None and self.blocks.head is not None:
             return rows > exact_blocks.head_max_rows()
         return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
+
+    def describe(self) -> dict:
+        """The fast paths that set its passes' cost: the quantization it runs, the C++ layers on this kernel
+        build, the exact GGUF blocks (the verify-cost curve's key; protocol.Target)."""
+        out = {}
+        if self.quant:
+            out["quant"] = self.quant
+        if self.stack is not None:
+            out.update(cpu_layers=True, cpu_kernel=qlinear.kernel().isa)
+        if self.blocks is not None:
+            out["exact_blocks"] = True
+        return out
 
     @property
     def device(self) -> torch.device:

@@ -182,8 +182,8 @@ def test_a_target_without_the_cpu_stack_gets_no_blocks(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
 
-    class GenericTarget:
-        dtype = torch.float32
+    class GenericTarget:  # as ddtree.hf_target.HFTarget presents itself (protocol.Target)
+        dtype, backend, quant = torch.float32, "hf:sdpa", None
 
     assert not exact_blocks.attach(GenericTarget(), path, conversion)
     target = quantizable_target("llama")
