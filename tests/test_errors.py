@@ -10,10 +10,10 @@ import torch
 
 import ddtree
 from ddtree.api import Pair
+from ddtree.cache import checksum
 from ddtree.checker import check_tokens
 from ddtree.compare import compare
 from ddtree.config import ConfigError
-from ddtree.files import checksum
 from ddtree.loading import resolve_target_dir, verify_cache
 from ddtree.testing import char_tokenizer, random_pair, save_target
 
@@ -301,11 +301,11 @@ def test_damaged_cache_is_detected_and_rebuilt(fake_gguf, damage, capsys):
 
 def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
     """A load checks stat stamps; the files are hashed again only when a stamp changed (any write changes it)."""
-    from ddtree import loading
+    from ddtree import cache
 
-    monkeypatch.setattr(loading, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
+    monkeypatch.setattr(cache, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
     hashed = []
-    monkeypatch.setattr(loading, "checksum", lambda p: hashed.append(Path(p).name) or checksum(p))
+    monkeypatch.setattr(cache, "checksum", lambda p: hashed.append(Path(p).name) or checksum(p))
     cached = _cached(fake_gguf)
     assert "model.safetensors" in hashed  # at conversion
     done = len(hashed)

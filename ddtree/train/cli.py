@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..cache import replacing_dir
 from ..config import ConfigError, cli_int
-from ..files import output_dir, read_jsonl, replacing_dir
+from ..files import output_dir, read_jsonl
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
