@@ -18,6 +18,7 @@ import errno
 import hashlib
 import importlib.machinery
 import importlib.util
+import itertools
 import json
 import mmap
 import os
@@ -35,10 +36,11 @@ from .knobs import env_path
 CACHE_MANIFEST = "ddtree-cache.json"
 STAMP_SETTLE_NS = 2_000_000_000
 FIX = "set DDTREE_CACHE to a writable folder with free space"
-# A staging entry: `.<name>.tmp<pid>`, `.<name>.old<pid>` (main before this layer) or `.<name>.tmp-<host>-<pid>`,
+# A staging entry: `.<name>.tmp<pid>`, `.<name>.old<pid>` (before this layer) or `.<name>.<n>.tmp-<host>-<pid>`,
 # and single files `<name>.<pid>.tmp`.
 STAGING = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)(?:-(?P<host>.+)-)?(?P<pid>\d+)$|^(?P<file>.+)\.(?P<fpid>\d+)\.tmp$")
 LOCK_POLL_S = 0.5
+_staged = itertools.count()
 
 
 def cache_root() -> Path:
@@ -150,9 +152,10 @@ def write_error(e: BaseException, path, what: str) -> ConfigError | None:
 
 
 def staging_path(dest: Path) -> Path:
-    """A sibling of `dest` (same file system: atomic renames) that names this host and process."""
+    """A sibling of `dest` (same file system: atomic renames) that names this host and process, and is new on
+    every call (torch's extension loader takes a build folder it has built in before for the same build)."""
     dest = Path(dest)
-    return dest.with_name(f".{dest.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    return dest.with_name(f".{dest.name}.{next(_staged)}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def pid_alive(pid: int) -> bool:
