@@ -319,6 +319,41 @@ def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
     assert _cached(fake_gguf) == cached and len(hashed) == done  # its new stamps were recorded
 
 
+def test_a_killed_conversions_staging_is_swept(fake_gguf, tmp_path):
+    """A conversion killed half-way leaves a hidden staging folder as big as the model: the next conversion or
+    load removes it once its process is gone (and never a live process's)."""
+    import subprocess
+    import sys
+
+    from ddtree.loading import gguf_cache_dir
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    out = gguf_cache_dir(fake_gguf[0])
+    left = out.with_name(f".{out.name}.tmp{proc.pid}")  # the name main's conversions stage under
+    live = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    for folder in (left, live):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    _cached(fake_gguf)
+    assert not left.exists() and live.exists()
+
+
+def test_a_full_disk_while_converting_names_the_fix(fake_gguf, monkeypatch):
+    """safetensors reports a full disk as its own error type (a raw traceback before)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ConfigError, match="cannot write the converted model in .*: the disk is full; free some"):
+        _cached(fake_gguf)
+    assert [p.name for p in Path(os.environ["DDTREE_CACHE"]).iterdir()] == []  # no staging left behind
+
+
 def test_unwritable_cache_fails_before_converting(fake_gguf, tmp_path, monkeypatch):
     path, conversions = fake_gguf
     blocker = tmp_path / "a-file"
