@@ -39,6 +39,15 @@ class Pair:
         self.decoder = Decoder(target, drafter)
         self._methods: dict[tuple, Method] = {}
 
+    def refresh(self) -> "Pair":
+        """Re-make the models' copies of their weights after writes torch does not count (`w.data[...] = x`,
+        `w.data.mul_()`, a numpy view's elements); generate() refuses to decode stale copies where it sees them.
+        In-place torch ops, load_state_dict and assigning parameters need no call."""
+        for model in (self.target, self.drafter):
+            if hasattr(model, "refresh"):
+                model.refresh()
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.target.device

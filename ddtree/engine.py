@@ -254,6 +254,8 @@ class Decoder:
         check_int("max_new_tokens", max_new_tokens, 1)
         if seed is not None:
             check_int("seed", seed)
+            if not -2**63 <= seed < 2**64:
+                raise ConfigError(f"seed {seed} does not fit in 64 bits: use one in 0..2**64 - 1")
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         if len(prompt_ids) > cfg.max_position_embeddings:
@@ -264,6 +266,9 @@ class Decoder:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
         if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
+        for model in (self.target, self.drafter if method.uses_drafter else None):
+            if hasattr(model, "check_fresh"):  # the own-code models; the transformers backend keeps no copies
+                model.check_fresh()
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 256, stop_ids=(), seed: int | None = None,
