@@ -57,6 +57,8 @@ class Pair:
         return self.target.dtype
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
+        if not isinstance(chat, (bool, np.bool_)):  # "no" is truthy: it would apply the template asked away
+            raise ConfigError(f"chat must be True or False, got {chat!r}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError("the prompt is empty")

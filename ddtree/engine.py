@@ -20,7 +20,7 @@ from .attention import Visibility
 from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
-from .method_spec import MethodSpec
+from .method_spec import MethodSpec, check_budget
 from .sampling import argmax, choose
 from .stats import GenerationStats, StageTimer
 from .traces import step_record
@@ -266,6 +266,7 @@ class Decoder:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
         if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
+        check_budget(method.spec.budget, self.target.device)
         for model in (self.target, self.drafter if method.uses_drafter else None):
             if hasattr(model, "check_fresh"):  # the own-code models; the transformers backend keeps no copies
                 model.check_fresh()

@@ -249,7 +249,7 @@ def own_code_gap(directory: Path, raw: dict) -> str | None:
         cfg = ModelConfig.from_hf(raw)
         Rotary(cfg)  # RoPE types the own code cannot compute are refused here
     except (ConfigError, ValueError, KeyError) as e:  # KeyError: a field the own code needs is missing
-        if raw.get("model_type") in SUPPORTED_ARCHS and "lacks" in str(e):
+        if raw.get("model_type") in SUPPORTED_ARCHS and "restore the" in str(e):
             raise  # a covered architecture with a damaged config.json: the fix is to restore it, not another backend
         return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
     from transformers import AutoConfig

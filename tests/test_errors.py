@@ -47,10 +47,23 @@ def pair():
     ({"temperature": "1"}, "temperature must be a finite number"),
     ({"temperature": 1.0, "seed": "x"}, "seed must be an integer, got 'x'"),
     ({"temperature": 1.0, "seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"temperature": 1.0, "seed": 2**64}, "seed 18446744073709551616 does not fit in 64 bits"),  # was an OverflowError
+    ({"chat": "no"}, "chat must be True or False, got 'no'"),  # "no" is truthy: it meant chat=True
 ])
 def test_bad_generation_arguments(pair, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         pair.generate([1, 2, 3], **kwargs)
+
+
+def test_a_budget_no_step_can_repay_is_refused():
+    """ddtree:8000 on a CPU took 81 s for 2 tokens: refused, naming the largest budget and ddtree:auto."""
+    target, drafter = random_pair("llama", seed=1, max_position_embeddings=16384)
+    pair = Pair(target, drafter, None)
+    for method, budget in (("ddtree:8000", None), ("ddtree", 513)):
+        with pytest.raises(ConfigError, match=f"budget {budget or 8000} is more than a step can repay on cpu.*at "
+                                              "most 512, or ddtree:auto"):
+            pair.generate([1, 2, 3], method=method, budget=budget, max_new_tokens=2)
+    assert len(pair.generate([1, 2, 3], method="ddtree:512", max_new_tokens=2).token_ids) == 2
 
 
 @pytest.mark.parametrize("prompt", [5, None, True, b"\x01\x02", bytearray(b"\x01"), {1: 2}, [True, False], [1.5, 2],
@@ -227,6 +240,14 @@ def test_target_config_that_does_not_match_its_weights(model_dirs):
     _edit_json(target_dir / "config.json", hidden_size=128)
     with pytest.raises(ConfigError, match=r"do not match its config.json: model.embed_tokens.weight is \[96, 64\] in "
                                           r"the weights but \[96, 128\] by config.json"):
+        ddtree.load(target=target_dir)
+
+
+def test_hidden_size_not_a_multiple_of_the_heads(model_dirs):
+    """Without a head_dim, hidden_size must split into the heads (a raw traceback before)."""
+    target_dir, _ = model_dirs
+    _edit_json(target_dir / "config.json", hidden_size=65, head_dim=None)
+    with pytest.raises(ConfigError, match=r"hidden_size \(65\) is not a multiple of num_attention_heads"):
         ddtree.load(target=target_dir)
 
 
@@ -487,6 +508,16 @@ def test_bad_benchmark_prompt_file(tmp_path, line, message):
     path.write_text('{"prompt": "fine"}\n\n' + line + '\n{"turns": ["also fine", "second turn"]}\n')
     with pytest.raises(ConfigError, match=message):
         load_prompts(str(path), 1)  # the whole file is checked up front, not only the prompts asked for
+
+
+def test_a_dataset_path_that_does_not_exist(tmp_path):
+    """Reported as a missing file, not as an unknown dataset name."""
+    from ddtree.datasets import load_prompts
+
+    with pytest.raises(ConfigError, match="dataset file .*nope.jsonl' does not exist"):
+        load_prompts(str(tmp_path / "nope.jsonl"), 1)
+    with pytest.raises(ConfigError, match="unknown dataset 'humaneva'"):
+        load_prompts("humaneva", 1)
 
 
 def test_good_benchmark_prompt_file(tmp_path):

@@ -280,6 +280,23 @@ def test_prompts_file_follow_ups_and_several_data_dirs(tiny_data, tmp_path):
     assert read_sequences([data, data], split=None) == one + one
 
 
+def test_prompts_file_ids_outside_the_vocabulary_and_a_bad_heldout(tmp_path):
+    """Token ids the target does not have were a raw IndexError mid-run; --heldout 1.5 was accepted."""
+    from ddtree.config import ConfigError
+    from ddtree.train.cli import _check_ids, _read_prompts_file, build_parser
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"ids": [4, 5], "key": "ok"}\n{"ids": [4, 500], "key": "far"}\n')
+    prompts = _read_prompts_file(str(path))
+    with pytest.raises(ConfigError, match=r"prompt 'far' has token ids \[500\] outside the target's vocabulary"):
+        _check_ids(prompts, 96, str(path))
+    _check_ids(prompts[:1], 96, str(path))
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", bad])
+    assert build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", "0.1"]).heldout == 0.1
+
+
 # --- (a) end to end, (c) resume ---------------------------------------------------------------------------------
 def _config(**kw):
     base = dict(lr=3e-3, epochs=4, seqs_per_step=2, anchors=16, warmup=0.1, eval_prompts=0, val_sequences=4,
