@@ -7,14 +7,13 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from .attention import resolve_backend
 from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig
-from .cache import CACHE_MANIFEST, cache_root, checksum, replacing_dir, seal, sweep, verify
+from .cache import cache_root, replacing_dir, seal, sweep, verify
 from .files import output_dir
 from .layers import Rotary
 from .target import TargetModel

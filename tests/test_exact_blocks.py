@@ -12,7 +12,6 @@ from ddtree.attention import Visibility
 from ddtree.cache import CACHE_MANIFEST
 from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import write_gguf
-from ddtree.cache import CACHE_MANIFEST
 from ddtree.qlinear import QWeight, kernel
 from test_gguf_export import template
 from test_qlinear import quantizable_target
