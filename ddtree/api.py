@@ -39,6 +39,15 @@ class Pair:
         self.decoder = Decoder(target, drafter)
         self._methods: dict[tuple, Method] = {}
 
+    def refresh(self) -> "Pair":
+        """Re-make the models' copies of their weights after writes torch does not count (`w.data[...] = x`,
+        `w.data.mul_()`, a numpy view's elements); generate() refuses to decode stale copies where it sees them.
+        In-place torch ops, load_state_dict and assigning parameters need no call."""
+        for model in (self.target, self.drafter):
+            if hasattr(model, "refresh"):
+                model.refresh()
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.target.device
@@ -48,6 +57,8 @@ class Pair:
         return self.target.dtype
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
+        if not isinstance(chat, (bool, np.bool_)):  # "no" is truthy: it would apply the template asked away
+            raise ConfigError(f"chat must be True or False, got {chat!r}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ConfigError("the prompt is empty")

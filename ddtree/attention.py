@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError
+from .knobs import env_choice
 
 BACKENDS = ("auto", "sdpa", "triton")
 
@@ -78,7 +79,7 @@ def resolve_backend(name: str, device) -> str:
     'auto': $DDTREE_ATTENTION when set, else the Triton kernel on CUDA (when triton imports) and SDPA
     elsewhere. 'triton' where it cannot run is an error, never a silent fallback."""
     if name == "auto":
-        name = os.environ.get("DDTREE_ATTENTION", "auto")
+        name = env_choice("DDTREE_ATTENTION", BACKENDS, "auto")
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     cuda = torch.device(device).type == "cuda"

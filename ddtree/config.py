@@ -107,6 +107,11 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        hidden = cfg.get("hidden_size")
+        if not cfg.get("head_dim") and isinstance(heads, int) and heads > 0 and isinstance(hidden, int) and hidden % heads:
+            raise ConfigError(f"hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads ({heads}) "
+                              "and config.json gives no head_dim: restore the config.json that came with the weights "
+                              "(or add head_dim)")
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         return cls(

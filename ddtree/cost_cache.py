@@ -9,30 +9,33 @@ That key is stored in the file beside the curve:
         {"key": {...}, "sizes": [1, 2, ...], "verify_seconds": [...], "fixed_seconds": 0.0083,
          "draft_seconds": [...]}
 
-A file that does not parse or whose key differs is measured again and replaced. Delete the folder to force a
-new measurement (after a BIOS or power-setting change, say).
+The file also carries the SHA-256 of its content (ddtree/cache.py). A file that does not parse, fails its checksum,
+holds times that are not positive and finite (the adaptive budget divides by them), or whose key differs is
+measured again and replaced, with a notice where it was damaged. Delete the folder to force a new measurement
+(after a BIOS or power-setting change, say).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
-import warnings
 from pathlib import Path
 
 import torch
 
 from . import cpu_stack
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
-from .loading import cache_root
+from .cache import cache_root, digest_json, notice, sweep, write_bytes, write_error
 
-FORMAT = 8  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 9  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
 # 5: the draft pass timed at every length (budget="auto" drafts only as deep as its trees go)
 # 6: RoPE rows from a table, the final norms and the greedy argmax in C++: CPU drafts and steps got cheaper
+# 9: the file carries its checksum (sha256)
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 
@@ -91,28 +94,42 @@ def verify_costs(target, drafter, block_size: int, max_nodes: int) -> CostModel:
 
 
 def read_costs(path: Path, key: dict) -> CostModel | None:
-    """The stored curve, or None when the file is missing, unreadable or for another key."""
+    """The stored curve, or None when the file is missing, for another key, or damaged (then with a notice)."""
     try:
         data = json.loads(path.read_text())
-        if data.get("key") != key:
-            return None
-        return CostModel(tuple(data["sizes"]), tuple(data["verify_seconds"]), float(data["fixed_seconds"]),
-                         tuple(float(x) for x in data["draft_seconds"]))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        warnings.warn(f"ddtree: ignoring the unreadable verify-cost file {path}; measuring again", stacklevel=3)
-        return None
+    except (OSError, ValueError) as e:
+        return _damaged(path, f"unreadable: {e}")
+    if not isinstance(data, dict) or data.get("key") != key:
+        return None  # another configuration's file under a colliding name, or an older format's
+    digest = data.pop("sha256", None)
+    if digest != digest_json(data):
+        return _damaged(path, "its checksum does not match its content")
+    try:
+        cost = CostModel(tuple(int(n) for n in data["sizes"]), tuple(float(x) for x in data["verify_seconds"]),
+                         float(data["fixed_seconds"]), tuple(float(x) for x in data["draft_seconds"]))
+    except (KeyError, TypeError, ValueError) as e:
+        return _damaged(path, f"not a cost curve: {e}")
+    times = cost.verify_seconds + cost.draft_seconds
+    if not all(math.isfinite(t) and t > 0 for t in times) or not (math.isfinite(cost.fixed_seconds)
+                                                                  and cost.fixed_seconds >= 0):
+        return _damaged(path, "a time that is not positive and finite")
+    return cost
+
+
+def _damaged(path: Path, problem: str) -> None:
+    notice(f"the verify-cost file {path} is damaged ({problem}); measuring again")
+    return None
 
 
 def write_costs(path: Path, key: dict, cost: CostModel) -> None:
     data = dict(key=key, sizes=list(cost.sizes), verify_seconds=list(cost.verify_seconds),
                 fixed_seconds=cost.fixed_seconds, draft_seconds=list(cost.draft_seconds))
+    data["sha256"] = digest_json(data)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)  # atomic: concurrent processes (torchrun ranks) never read half a file
+        sweep(path.parent)
+        write_bytes(path, (json.dumps(data, indent=1) + "\n").encode())  # atomic: concurrent ranks read whole files
     except OSError as e:
-        warnings.warn(f"ddtree: cannot cache the verify-cost curve in {path} ({e}); it will be measured again "
-                      "next time (set DDTREE_CACHE to a writable folder)", stacklevel=3)
+        notice(f"{write_error(e, path.parent, 'the verify-cost curve')} (it is measured again next time)")

@@ -138,6 +138,7 @@ class WeightsWatch:
         """The current weights are the reference from now on."""
         self.registrations = registrations()
         self.params = list(self.params_of())
+        self.sample = values_sample(self.params)
         native = all(p.device.type == "cpu" and not p.is_inference() for p in self.params) and qlinear.cpu_kernel_available()
         self.snapshot = qlinear.kernel().WeightsSnapshot(self.params) if native else None
         self.key = None if native else weights_key(self.params)
@@ -148,6 +149,27 @@ class WeightsWatch:
                 return True
             self.registrations = registrations()
         return self.snapshot.changed() if self.snapshot is not None else weights_key(self.params) != self.key
+
+    def stale(self) -> bool:
+        """Were values written where torch does not count writes (`p.data[...] = x`, `p.data.mul_()`, a numpy
+        view's elements) since mark()? Seen where they reach SAMPLE_POINTS evenly spaced elements of a weight
+        (any write to a whole weight or to a block of rows); a single element elsewhere is not. One gather per
+        weight: asked once per generation, not per pass."""
+        return not torch.equal(values_sample(self.params), self.sample)
+
+
+SAMPLE_POINTS = 64  # per weight: WeightsWatch.stale()
+STALE = ("the model's weights were written where torch does not count writes (through .data or a numpy view) "
+         "after its fast copies of them were made, so decoding would mix the old and the new weights: call "
+         "pair.refresh() (or model.refresh()) after such edits. In-place torch ops (with torch.no_grad(): "
+         "w.mul_(2)), load_state_dict and assigning parameters are followed without it")
+
+
+def values_sample(params) -> torch.Tensor:
+    """About SAMPLE_POINTS evenly spaced elements of every weight, concatenated [sum of the samples] as float64
+    bit patterns (int64: a NaN then equals itself)."""
+    parts = [p.detach().reshape(-1)[::max(1, p.numel() // SAMPLE_POINTS)] for p in params if p.numel()]
+    return torch.cat(parts).double().view(torch.int64) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def weights_key(params) -> tuple:

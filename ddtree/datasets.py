@@ -145,6 +145,9 @@ def load_prompts(spec: str, n: int) -> list[str]:
         prompts = gsm(n)
     elif Path(spec).is_file():
         prompts = _read_jsonl(Path(spec))[:n]
+    elif Path(spec).suffix in (".jsonl", ".json", ".gz") or "/" in spec or Path(spec).exists():
+        raise ConfigError(f"dataset file {spec!r} does not exist (or is not a file): check the path, or use one of "
+                          f"the built-in datasets {', '.join(DATASETS)}")
     else:
         raise ConfigError(f"unknown dataset {spec!r}: use one of {', '.join(DATASETS)} or a path to a JSONL file")
     if not prompts:

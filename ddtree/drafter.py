@@ -190,6 +190,17 @@ class DFlashDrafter(nn.Module):
         # reduced head where exact (cpu_stack.compact_copy), the stack again where it has the context pass too)
         self._stack = (None, None, None, None)
 
+    def refresh(self) -> "DFlashDrafter":
+        """Re-make the copies of the weights from their current values (see TargetModel.refresh)."""
+        self._stack = (None, None, None, None)
+        return self
+
+    def check_fresh(self) -> None:
+        """A ConfigError where the weights were written behind torch's back since the stack copied them."""
+        watch = self._stack[0]
+        if watch is not None and not watch.changed() and watch.stale():
+            raise ConfigError(cpu_stack.STALE)
+
     def _apply(self, fn, *args, **kwargs):
         self._stack = (None, None, None, None)  # .to() may put new Parameter objects in place unregistered
         return super()._apply(fn, *args, **kwargs)

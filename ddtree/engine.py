@@ -20,7 +20,7 @@ from .attention import Visibility
 from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
-from .method_spec import MethodSpec
+from .method_spec import MethodSpec, check_budget
 from .sampling import argmax, choose
 from .stats import GenerationStats, StageTimer
 from .traces import step_record
@@ -263,6 +263,8 @@ class Decoder:
         check_int("max_new_tokens", max_new_tokens, 1)
         if seed is not None:
             check_int("seed", seed)
+            if not -2**63 <= seed < 2**64:
+                raise ConfigError(f"seed {seed} does not fit in 64 bits: use one in 0..2**64 - 1")
         if not prompt_ids:
             raise ConfigError("the prompt is empty: give at least one token")
         if len(prompt_ids) > cfg.max_position_embeddings:
@@ -273,6 +275,10 @@ class Decoder:
             raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
         if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
+        check_budget(method.spec.budget, self.target.device)
+        for model in (self.target, self.drafter if method.uses_drafter else None):
+            if hasattr(model, "check_fresh"):  # the own-code models; the transformers backend keeps no copies
+                model.check_fresh()
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 256, stop_ids=(), seed: int | None = None,

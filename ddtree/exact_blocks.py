@@ -11,20 +11,22 @@ and keep the float weights (layer_max_rows(), head_max_rows() below).
 Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
 and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
 Reading the GGUF's metadata takes ~6 s, so the blocks are checked against the float weights once and cached:
-$DDTREE_CACHE/exact-blocks/<the conversion's folder name>/blocks.safetensors, keyed by the conversion's checksum.
+$DDTREE_CACHE/exact-blocks/<the conversion's folder name>/blocks.safetensors, keyed by the conversion's checksum
+and sealed by ddtree/cache.py: a file whose bytes changed since is checked against the GGUF again (a damaged
+block would decode a different model, and every method would agree with it).
 DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison with llama.cpp F32).
 """
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .cache import CACHE_MANIFEST, cache_root, notice, read_manifest, replacing_dir, seal, verify
 from .config import ConfigError
+from .knobs import env_flag
 from .qlinear import QWeight, head_max_rows, layer_max_rows  # noqa: F401 (the blocks' row limits)
 
 FORMAT = 2  # 2: Q4_1 in 40-byte spans with fp16 scales (1: lanes, d and m apart)
@@ -60,7 +62,7 @@ class ExactBlocks:
 
 
 def enabled() -> bool:
-    return os.environ.get("DDTREE_GGUF_BLOCKS", "1") != "0"
+    return env_flag("DDTREE_GGUF_BLOCKS", True)
 
 
 def attach(target, gguf_path: Path, conversion: Path) -> bool:
@@ -86,8 +88,6 @@ def attach(target, gguf_path: Path, conversion: Path) -> bool:
 def cache_key(conversion: Path) -> dict | None:
     """What the cached blocks must have been checked against: the conversion (by folder name: the GGUF's path,
     size and mtime) and its weights' checksum. None where the conversion has no manifest."""
-    from .loading import CACHE_MANIFEST
-
     try:
         digest = json.loads((conversion / CACHE_MANIFEST).read_text())["files"]["model.safetensors"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -96,39 +96,43 @@ def cache_key(conversion: Path) -> dict | None:
 
 
 def cache_file(key: dict) -> Path:
-    from .loading import cache_root
-
     return cache_root() / "exact-blocks" / key["conversion"] / "blocks.safetensors"
 
 
 def _cached(key: dict, num_layers: int) -> ExactBlocks | None:
+    """The cached blocks for `key`, or None (with a notice where a file is there but damaged or for another key)."""
     from safetensors import safe_open
 
     path = cache_file(key)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if json.loads(meta.get("key", "null")) != key:
-                return None
-            kinds = json.loads(meta["kinds"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        return ExactBlocks.from_tensors(tensors, kinds, num_layers)
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError):  # absent, partial or foreign: extract again
+    if not path.parent.exists():
         return None
+    problems = verify(path.parent, required=(path.name,))
+    if not problems and (read_manifest(path.parent) or {}).get("key") != key:
+        problems = ["made for another conversion or format"]
+    if not problems:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                kinds = json.loads((f.metadata() or {})["kinds"])
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+            return ExactBlocks.from_tensors(tensors, kinds, num_layers)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a file it cannot read
+            problems = [f"unreadable ({type(e).__name__}: {e})"]
+    notice(f"the cached exact blocks {path.parent} are damaged or foreign ({'; '.join(problems)}); "
+           "checking the GGUF's blocks again")
+    return None
 
 
 def _store(key: dict, blocks: ExactBlocks) -> None:
     from safetensors.torch import save_file
 
-    from .files import replacing_dir
-
     tensors, kinds = blocks.tensors()
     try:
-        with replacing_dir(cache_file(key).parent) as tmp:
+        with replacing_dir(cache_file(key).parent, "the exact GGUF blocks") as tmp:
             save_file(tensors, str(tmp / "blocks.safetensors"), metadata={"key": json.dumps(key),
                                                                           "kinds": json.dumps(kinds)})
-    except OSError as e:  # a read-only or full cache costs the next load the ~6 s again, nothing else
-        print(f"ddtree: cannot cache the exact GGUF blocks in {cache_file(key).parent} ({e})", file=sys.stderr)
+            seal(tmp, key=key)
+    except ConfigError as e:  # a read-only or full cache costs the next load the ~6 s again, nothing else
+        notice(f"{e} (the blocks are used now and checked again on the next load)")
 
 
 def _extract(target, gguf_path: Path) -> ExactBlocks:

@@ -39,9 +39,9 @@ def llamacpp_problem() -> str | None:
 
 def exported_gguf(pair) -> Path:
     """The target's weights as a GGUF in its own precision, written once per (source file, dtype) and cached."""
-    from .files import output_dir, replacing_dir
+    from .cache import cache_root, replacing_dir
+    from .files import output_dir
     from .gguf_export import write_gguf
-    from .loading import cache_root
 
     source = pair.source_gguf
     if source is None:

@@ -7,14 +7,14 @@ import importlib.util
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from .attention import resolve_backend
+from .cache import cache_root, replacing_dir, seal, sweep, verify
 from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig, read_config
-from .files import checksum, output_dir, replacing_dir, stat_stamp
+from .files import output_dir
 from .layers import Rotary
 from .target import TargetModel
 
@@ -23,10 +23,6 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 SHIPPED_DRAFTER = PACKAGE_DIR / "assets" / "smollm2-135m-dflash"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -110,8 +106,6 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 # format is part of the cache key, so they are not reused (and can be deleted; see the README's "Caches").
 # 3: the config.json is portable (portable_config: architectures, model_type, top-level rope_theta).
 CACHE_FORMAT = 3
-CACHE_MANIFEST = "ddtree-cache.json"
-STAMP_SETTLE_NS = 2_000_000_000
 
 
 def gguf_cache_dir(path: Path) -> Path:
@@ -128,6 +122,7 @@ def convert_gguf(path: Path) -> Path:
     stat = path.stat()
     source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     out = gguf_cache_dir(path)
+    sweep(out.parent)  # a conversion killed half-way leaves a staging folder as big as the model
     if out.exists():
         problems = verify_cache(out)
         if not problems:
@@ -140,23 +135,18 @@ def convert_gguf(path: Path) -> Path:
     model, tok = read_gguf(path)
     from safetensors.torch import save_file
 
-    try:
-        with replacing_dir(out) as tmp:
-            cfg = portable_config(model.config.to_dict())
-            cfg.pop("quantization_config", None)
-            state = {k: v.contiguous() for k, v in model.state_dict().items()}
-            if cfg.get("tie_word_embeddings"):
-                state.pop("lm_head.weight", None)
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-            if tok is not None:
-                tok.save_pretrained(str(tmp))
-            model.generation_config.save_pretrained(str(tmp))
-            files = {p.name: checksum(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            _write_manifest(tmp, {"format": CACHE_FORMAT, "source": source, "files": files})
-    except OSError as e:
-        raise ConfigError(f"cannot write the cached conversion {out} ({e}): check the free space, or delete it "
-                          f"(rm -rf '{out}') and run again") from e
+    with replacing_dir(out, "the converted model") as tmp:
+        cfg = portable_config(model.config.to_dict())
+        cfg.pop("quantization_config", None)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if tok is not None:
+            tok.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        seal(tmp, format=CACHE_FORMAT, source=source)
     return out
 
 
@@ -173,41 +163,9 @@ def read_gguf(path: Path):
 
 
 def verify_cache(directory: Path) -> list[str]:
-    """What is wrong with a cached conversion (empty: nothing). The files' SHA-256 are compared with those
-    taken at conversion whenever their stat stamps (size, mtime, ctime, inode) differ from the ones recorded
-    when the content was last found intact; any write to a file changes its ctime. So a load of an untouched
-    cache costs a few stat calls, and a changed (or copied) one a full hash: ~0.35 s for SmolLM2's 538 MB."""
-    try:
-        manifest = json.loads((directory / CACHE_MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return [f"no readable {CACHE_MANIFEST}: an interrupted or older conversion"]
-    if "model.safetensors" not in files:
-        return [f"{CACHE_MANIFEST} lists no model.safetensors"]
-    stamps = {name: stat_stamp(directory / name) for name in files}
-    if all(stamps.values()) and manifest.get("stamps") == stamps:
-        return []
-    problems = [f"{name} is missing" if stamps[name] is None else f"{name} has changed"
-                for name, digest in files.items() if stamps[name] is None or checksum(directory / name) != digest]
-    if not problems:
-        try:  # intact: remember these stamps, so the next load need not hash again
-            _write_manifest(directory, manifest)
-        except OSError:  # a read-only cache: verified by hash on every load
-            pass
-    return problems
-
-
-def _write_manifest(directory: Path, manifest: dict) -> None:
-    """The manifest with the current stat stamps of its files (taken after they were hashed). A stamp younger
-    than STAMP_SETTLE_NS is not recorded: file times tick coarsely (~4 ms), so a write right after it could
-    leave it unchanged (git's "racy clean" problem); that file is hashed again on the next load instead."""
-    now = time.time_ns()
-    stamps = {name: stat_stamp(directory / name) for name in manifest["files"]}
-    manifest = {**manifest, "stamps": {name: st if st and now - max(st[1], st[2]) > STAMP_SETTLE_NS else None
-                                       for name, st in stamps.items()}}
-    tmp = directory / (CACHE_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, directory / CACHE_MANIFEST)
+    """What is wrong with a cached conversion (empty: nothing): see cache.verify. A load of an untouched cache
+    costs a few stat calls, and a changed (or copied) one a full hash: ~0.35 s for SmolLM2's 538 MB."""
+    return verify(directory, required=("model.safetensors",))
 
 
 def portable_config(cfg: dict) -> dict:
@@ -228,12 +186,6 @@ def portable_config(cfg: dict) -> dict:
     if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
         out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     return out
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
 
 
 def target_path(target: str | os.PathLike | None) -> Path:
@@ -286,7 +238,7 @@ def own_code_gap(directory: Path, raw: dict) -> str | None:
         cfg = ModelConfig.from_hf(raw)
         Rotary(cfg)  # RoPE types the own code cannot compute are refused here
     except (ConfigError, ValueError, KeyError) as e:  # KeyError: a field the own code needs is missing
-        if raw.get("model_type") in SUPPORTED_ARCHS and "lacks" in str(e):
+        if raw.get("model_type") in SUPPORTED_ARCHS and "restore the" in str(e):
             raise  # a covered architecture with a damaged config.json: the fix is to restore it, not another backend
         return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
     from transformers import AutoConfig

@@ -66,6 +66,21 @@ NAMES = tuple(METHODS)
 REFERENCE = next(name for name, info in METHODS.items() if info.check == "reference")  # ar
 DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree` on a GPU (or where the device is not known)
 AUTO = "auto"  # the adaptive budget
+# The largest budget a step may verify, by device type: a step commits at most block_size (16) tokens whatever its
+# budget, while a verify's cost grows with its nodes. On a CPU past the largest tree calibrate() measures (512: a
+# verify then costs far more than 16 plain steps); elsewhere past 4096 nodes. Larger budgets are refused.
+MAX_BUDGET = {"cpu": 512}
+MAX_BUDGET_ELSEWHERE = 4096
+
+
+def check_budget(budget, device) -> None:
+    """A ConfigError for an integer budget a step on `device` could never repay."""
+    kind = getattr(device, "type", str(device).split(":")[0])
+    limit = MAX_BUDGET.get(kind, MAX_BUDGET_ELSEWHERE)
+    if isinstance(budget, int) and budget > limit:
+        raise ConfigError(f"budget {budget} is more than a step can repay on {kind}: a step verifies budget + 1 "
+                          f"tree nodes in one pass but commits at most one block of tokens; use a budget of at "
+                          f"most {limit}, or ddtree:auto (which sizes each step's tree from measured costs)")
 SYNTAX = "ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
 
 

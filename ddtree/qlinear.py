@@ -13,16 +13,20 @@ nn.Module that applies it.
 from __future__ import annotations
 
 import functools
-import sys
+import hashlib
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import build_lock, cache_root, import_library, notice, read_manifest, replacing_dir, seal, verify
 from .config import ConfigError
 from .kernels import SOURCE_DIR
+from .knobs import env_choice, env_flag, env_value
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d (, fp16 m), then the 32 weights' bits
@@ -35,13 +39,12 @@ KERNEL_MAX_ROWS = 320
 
 @functools.cache
 def cpu_kernel_available() -> bool:
-    """Can float32 CPU products use the kernel (layers.project)? Not with DDTREE_CPU_KERNEL=0, without AVX2, or
-    where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact)."""
-    import os
-    import warnings
-
-    if os.environ.get("DDTREE_CPU_KERNEL", "1") == "0":
+    """Can float32 CPU products use the kernel (layers.project)? Not with DDTREE_CPU_KERNEL off, without AVX2, or
+    where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact). A bad
+    value of DDTREE_CPU_KERNEL or DDTREE_CPU_ISA is an error, not a slower fallback."""
+    if not env_flag("DDTREE_CPU_KERNEL", True):
         return False
+    kernel_isa()
     try:
         kernel()
     except ConfigError as e:
@@ -57,12 +60,8 @@ def kernel_isa() -> str:
     """Which build of the kernel this CPU runs: "avx512" where torch reports AVX512 (F, BW, VL, DQ: the build then
     also uses the 16 extra vector registers, which let one pass take up to 12 rows), else "avx2".
     DDTREE_CPU_ISA=avx2 forces the AVX2 build (to compare them; both give the same bits)."""
-    import os
-
-    forced = os.environ.get("DDTREE_CPU_ISA", "").lower()
+    forced = env_choice("DDTREE_CPU_ISA", ISAS)
     if forced:
-        if forced not in ISAS:
-            raise ConfigError(f"DDTREE_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)} (or unset)")
         return forced
     return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
 
@@ -71,11 +70,8 @@ def kernel_isa() -> str:
 def kernel():
     """The compiled extension for this CPU (kernel_isa(), read once per process); see build_kernel. Where the
     AVX-512 build fails (a compiler without those flags), the AVX2 build serves, with a warning."""
-    import os
-    import warnings
-
     isa = kernel_isa()
-    if isa == "avx512" and not os.environ.get("DDTREE_CPU_ISA"):
+    if isa == "avx512" and not env_value("DDTREE_CPU_ISA"):
         try:
             return build_kernel(isa)
         except ConfigError as e:
@@ -86,13 +82,11 @@ def kernel():
 
 @functools.cache
 def build_kernel(isa: str = "avx2"):
-    """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/torch_extensions): the
-    quantized products, float32 ones for layers.project, and the decoder-layer stack (ddtree/cpu_stack.py).
-    isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and folder, so a cache shared
-    by two kinds of CPU never loads it on one without them); every product keeps its order of sums, so the two
-    builds give the same bits (tests/test_qlinear.py)."""
-    from .loading import cache_root
-
+    """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/kernels, see
+    compile_extension): the quantized products, float32 ones for layers.project, and the decoder-layer stack
+    (ddtree/cpu_stack.py). isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and
+    folder, so a cache shared by two kinds of CPU never loads it on one without them); every product keeps its
+    order of sums, so the two builds give the same bits (tests/test_qlinear.py)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise ConfigError(f"the CPU matmul kernel needs an x86 CPU with AVX2 (torch reports {capability!r}), so "
@@ -102,26 +96,68 @@ def build_kernel(isa: str = "avx2"):
     if isa == "avx512" and capability != "AVX512":
         raise ConfigError(f"DDTREE_CPU_ISA=avx512 on a CPU without AVX-512 (torch reports {capability!r}); unset it")
     sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp")]
-    suffix = "" if isa == "avx2" else "_" + isa
-    build = cache_root() / "torch_extensions" / ("qlinear" + suffix)
+    # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
     if isa == "avx512":
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("ddtree_qlinear*.so")):
-            print(f"ddtree: building the CPU matmul kernel for {isa} (once, ~1 min; cached in {build})",
-                  file=sys.stderr, flush=True)
-        from torch.utils.cpp_extension import load
+    return compile_extension("ddtree_qlinear" + ("" if isa == "avx2" else "_" + isa), sources, flags,
+                             f"the CPU matmul kernel for {isa}",
+                             fix="quant='gguf' needs it; float targets run on torch's matmuls without it")
 
-        # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
-        return load(name="ddtree_qlinear" + suffix, sources=[str(s) for s in sources], build_directory=str(build),
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - compiler, loader and file-system failures come in many types
-        raise ConfigError(f"cannot build the CPU matmul kernel in {build} ({type(e).__name__}: {str(e)[-400:]}); "
-                          "it needs g++, ninja (apt-get install g++ ninja-build, or pip install ninja) and a "
-                          "writable DDTREE_CACHE. quant='gguf' needs it; float targets run on torch's matmuls "
-                          "without it") from e
+
+def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
+    """The Python extension `name` compiled from `sources` with `flags` by torch's C++ extension loader, kept in
+    $DDTREE_CACHE/kernels/<name>-<key of the sources, flags and torch> and sealed there (ddtree/cache.py):
+
+    - a complete build is verified (the library's checksum) and imported as it is, without a lock, a compiler or
+      a write (so a read-only cache that holds one serves it);
+    - a damaged or incomplete one is never loaded (a damaged library can crash the process): it is built again,
+      with a notice;
+    - a build runs in a staging folder renamed into place, under a lock naming its process: a lock left by a
+      stopped process is removed, a live builder is waited for."""
+    sources = [Path(s) for s in sources]
+    key = hashlib.sha256(repr((name, flags, torch.__version__)).encode()
+                         + b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
+    folder = cache_root() / "kernels" / f"{name}-{key}"
+    if folder.exists():
+        problems = _verify_build(folder)
+        if not problems:
+            return _import_build(folder)
+        notice(f"the compiled {what} in {folder} is damaged or incomplete ({'; '.join(problems)}); building it again")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot build {what} in {folder.parent} ({e.strerror or e}): set DDTREE_CACHE to a "
+                          f"writable folder. {fix}") from None
+    with build_lock(folder.with_name(folder.name + ".lock"), what):
+        if folder.exists() and not _verify_build(folder):
+            return _import_build(folder)  # built by another process while this one waited
+        notice(f"building {what} (once, ~1 min; cached in {folder})")
+        with replacing_dir(folder, what) as tmp:
+            try:
+                from torch.utils.cpp_extension import load
+
+                module = load(name=name, sources=[str(s) for s in sources], build_directory=str(tmp),
+                              extra_cflags=list(flags), extra_ldflags=["-fopenmp"])
+            except Exception as e:  # noqa: BLE001 - compiler, loader and file-system failures come in many types
+                raise ConfigError(f"cannot build {what} in {folder} ({type(e).__name__}: {str(e)[-400:]}); it "
+                                  "needs g++ and ninja (apt-get install g++ ninja-build, or pip install ninja). "
+                                  f"{fix}") from e
+            # `<name>_v<n>` (module and file) where this process built `name` before: recorded, not assumed
+            library = Path(module.__file__).name
+            seal(tmp, files=[library], library=library, module=module.__name__, flags=list(flags),
+                 torch=torch.__version__)
+    return module
+
+
+def _verify_build(folder: Path) -> list[str]:
+    library = (read_manifest(folder) or {}).get("library")
+    return verify(folder, required=(library,)) if isinstance(library, str) else ["no complete build recorded"]
+
+
+def _import_build(folder: Path):
+    manifest = read_manifest(folder)
+    return import_library(folder / manifest["library"], manifest["module"])
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,22 @@ class TargetModel(nn.Module):
             self.blocks = None  # they were these weights' values, not the new ones'
             self.fuse()
 
+    def refresh(self) -> "TargetModel":
+        """Re-make the copies of the weights (the stack's, the 1-row head's; the exact GGUF blocks are dropped) from
+        their current values. Needed only after writes torch does not count: `p.data[...] = x`, `p.data.mul_()`, or
+        a numpy view's elements. In-place torch ops, load_state_dict and assigning parameters are followed on
+        every pass without it."""
+        if self._copies_of is not None:
+            self.blocks = None
+            self.fuse()
+        return self
+
+    def check_fresh(self) -> None:
+        """A ConfigError where the weights' values were written behind torch's back since their copies were made
+        (cpu_stack.WeightsWatch.stale): decoding would mix the old and the new model."""
+        if self._copies_of is not None and not self._copies_of.changed() and self._copies_of.stale():
+            raise ConfigError(cpu_stack.STALE)
+
     def _apply(self, fn, *args, **kwargs):
         # .to() / .float() / .cuda() copy parameters, which would cut the q/k/v views off the fused weights:
         # convert the reference layout and fuse again.

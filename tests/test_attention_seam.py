@@ -26,8 +26,12 @@ def test_backend_selection(monkeypatch):
     assert resolve_backend("auto", cpu) == "triton"  # the environment fills in 'auto' ...
     assert resolve_backend("sdpa", cpu) == "sdpa"  # ... and never overrides an explicit choice
     monkeypatch.setenv("DDTREE_ATTENTION", "flash9")
-    with pytest.raises(ConfigError, match="unknown attention backend 'flash9'"):
+    with pytest.raises(ConfigError, match="DDTREE_ATTENTION='flash9' is not valid: use one of auto, sdpa, triton"):
         resolve_backend("auto", cpu)
+    monkeypatch.setenv("DDTREE_ATTENTION", "")  # empty is unset
+    assert resolve_backend("auto", cpu) == "sdpa"
+    monkeypatch.setenv("DDTREE_ATTENTION", "SDPA")  # the knobs' rules: any case
+    assert resolve_backend("auto", cpu) == "sdpa"
 
 
 def test_triton_where_it_cannot_run_is_an_error(monkeypatch):

@@ -1,11 +1,14 @@
 """The adaptive budget's verify-cost curve: measured once per machine/target/dtype/threads, kept on disk."""
+import errno
 import json
 
 import pytest
 import torch
 
 from ddtree import cost_cache
+from ddtree.api import Pair
 from ddtree.budget import CostModel
+from ddtree.cache import digest_json
 from ddtree.testing import random_pair
 
 
@@ -107,3 +110,55 @@ def test_the_cpu_layers_have_their_own_curve():
     fast = cost_cache.cost_key(target, drafter, 8, 257)
     target.stack = None
     assert fast["cpu_layers"] and cost_cache.cost_key(target, drafter, 8, 257) != fast
+
+
+def stored_file(folder, counted, edit):
+    """A measured curve on disk, changed by `edit(data)` (a dict) and written back."""
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    path = next(folder.glob("*.json"))
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    cost_cache._measured.clear()  # a new process
+    return target, drafter, path
+
+
+@pytest.mark.parametrize("field", ["verify_seconds", "draft_seconds"])
+def test_zero_timings_are_measured_again(folder, counted, capsys, monkeypatch, field):
+    """A file with zero (or negative, or infinite) times would divide by zero in budget='auto' (the default):
+    noticed and measured again, even with its checksum made to match."""
+    monkeypatch.setattr(cost_cache, "calibrate",
+                        lambda *a, **k: CostModel((1, 2, 3), (0.01, 0.011, 0.012), 0.002, (0.001, 0.002)))
+
+    def zero(data):
+        data[field] = [0.0 for _ in data[field]]
+        data.pop("sha256", None)
+        data["sha256"] = digest_json(data)
+
+    target, drafter, path = stored_file(folder, counted, zero)
+    cost = cost_cache.verify_costs(target, drafter, 8, 257)
+    assert all(t > 0 for t in cost.verify_seconds + cost.draft_seconds)
+    assert "damaged (a time that is not positive and finite)" in capsys.readouterr().err
+    res = Pair(target, drafter, None).generate([1, 2, 3], method="ddtree:auto", max_new_tokens=4)
+    assert len(res.token_ids) == 4
+
+
+def test_a_changed_file_fails_its_checksum(folder, counted, capsys):
+    def edit(data):
+        data["verify_seconds"][0] *= 10  # plausible, but not what was measured
+
+    target, drafter, path = stored_file(folder, counted, edit)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    assert len(counted) == 2 and "checksum does not match" in capsys.readouterr().err
+
+
+def test_an_unwritable_folder_is_a_notice_naming_the_fix(folder, counted, capsys, monkeypatch):
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cost_cache, "write_bytes", full)
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    err = capsys.readouterr().err
+    assert "the disk is full" in err and "DDTREE_CACHE" in err

@@ -383,3 +383,40 @@ def test_weights_watch_sees_writes_repointing_and_replacement(native, monkeypatc
     assert watch.changed()
     watch.mark()
     assert not watch.changed()
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_writes_torch_does_not_count_are_refused_until_refresh(how):
+    """`w.data.mul_()` and a numpy view's elements bypass torch's write counters, so the copies the fast paths
+    decode from kept the old weights (a different model, with every method agreeing with it). generate() refuses
+    to decode then, naming pair.refresh(); after it, the tokens are those of the same edit made by a torch op."""
+    from ddtree.api import Pair
+    from ddtree.config import ConfigError
+
+    def edit(pair, way):
+        weights = [pair.target.model.layers[0].mlp.down_proj.weight, pair.drafter.layers[0].mlp.gate_proj.weight]
+        for w in weights:
+            if way == "torch":
+                with torch.no_grad():
+                    w.mul_(0.5)
+            elif way == "data":
+                w.data.mul_(0.5)
+            else:
+                w.detach().numpy()[:] *= 0.5
+
+    def pair():
+        target, drafter = random_pair("llama", seed=4, num_draft_layers=2, block_size=8, init_scale=0.25)
+        return Pair(target, drafter, None)
+
+    followed, edited = pair(), pair()
+    for p in (followed, edited):
+        p.generate([1, 2, 3], method="ddtree:8", max_new_tokens=4)  # the copies (and the drafter's stack) exist
+    edit(followed, "torch")
+    edit(edited, how)
+    for method in ("ar", "dflash", "ddtree:8"):
+        with pytest.raises(ConfigError, match=r"through .data or a numpy view.*pair.refresh\(\)"):
+            edited.generate([1, 2, 3], method=method, max_new_tokens=4)
+    edited.refresh()
+    for method in ("ar", "dflash", "ddtree:8"):
+        expected = followed.generate([5, 6, 7, 8], method=method, max_new_tokens=12).token_ids
+        assert edited.generate([5, 6, 7, 8], method=method, max_new_tokens=12).token_ids == expected, method

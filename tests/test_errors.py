@@ -10,10 +10,10 @@ import torch
 
 import ddtree
 from ddtree.api import Pair
+from ddtree.cache import checksum
 from ddtree.checker import check_tokens
 from ddtree.compare import compare
 from ddtree.config import ConfigError
-from ddtree.files import checksum
 from ddtree.loading import resolve_target_dir, verify_cache
 from ddtree.testing import char_tokenizer, random_pair, save_target
 
@@ -47,10 +47,23 @@ def pair():
     ({"temperature": "1"}, "temperature must be a finite number"),
     ({"temperature": 1.0, "seed": "x"}, "seed must be an integer, got 'x'"),
     ({"temperature": 1.0, "seed": 1.5}, "seed must be an integer, got 1.5"),
+    ({"temperature": 1.0, "seed": 2**64}, "seed 18446744073709551616 does not fit in 64 bits"),  # was an OverflowError
+    ({"chat": "no"}, "chat must be True or False, got 'no'"),  # "no" is truthy: it meant chat=True
 ])
 def test_bad_generation_arguments(pair, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         pair.generate([1, 2, 3], **kwargs)
+
+
+def test_a_budget_no_step_can_repay_is_refused():
+    """ddtree:8000 on a CPU took 81 s for 2 tokens: refused, naming the largest budget and ddtree:auto."""
+    target, drafter = random_pair("llama", seed=1, max_position_embeddings=16384)
+    pair = Pair(target, drafter, None)
+    for method, budget in (("ddtree:8000", None), ("ddtree", 513)):
+        with pytest.raises(ConfigError, match=f"budget {budget or 8000} is more than a step can repay on cpu.*at "
+                                              "most 512, or ddtree:auto"):
+            pair.generate([1, 2, 3], method=method, budget=budget, max_new_tokens=2)
+    assert len(pair.generate([1, 2, 3], method="ddtree:512", max_new_tokens=2).token_ids) == 2
 
 
 @pytest.mark.parametrize("prompt", [5, None, True, b"\x01\x02", bytearray(b"\x01"), {1: 2}, [True, False], [1.5, 2],
@@ -230,6 +243,14 @@ def test_target_config_that_does_not_match_its_weights(model_dirs):
         ddtree.load(target=target_dir)
 
 
+def test_hidden_size_not_a_multiple_of_the_heads(model_dirs):
+    """Without a head_dim, hidden_size must split into the heads (a raw traceback before)."""
+    target_dir, _ = model_dirs
+    _edit_json(target_dir / "config.json", hidden_size=65, head_dim=None)
+    with pytest.raises(ConfigError, match=r"hidden_size \(65\) is not a multiple of num_attention_heads"):
+        ddtree.load(target=target_dir)
+
+
 def test_drafter_that_does_not_match_the_target(model_dirs):
     target_dir, drafter_dir = model_dirs
     assert ddtree.load(target=target_dir, draft=drafter_dir).drafter.cfg.model.num_layers == 2
@@ -301,11 +322,11 @@ def test_damaged_cache_is_detected_and_rebuilt(fake_gguf, damage, capsys):
 
 def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
     """A load checks stat stamps; the files are hashed again only when a stamp changed (any write changes it)."""
-    from ddtree import loading
+    from ddtree import cache
 
-    monkeypatch.setattr(loading, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
+    monkeypatch.setattr(cache, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
     hashed = []
-    monkeypatch.setattr(loading, "checksum", lambda p: hashed.append(Path(p).name) or checksum(p))
+    monkeypatch.setattr(cache, "checksum", lambda p: hashed.append(Path(p).name) or checksum(p))
     cached = _cached(fake_gguf)
     assert "model.safetensors" in hashed  # at conversion
     done = len(hashed)
@@ -317,6 +338,41 @@ def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
     assert len(fake_gguf[1]) == 1  # intact: verified by hash, not converted again
     done = len(hashed)
     assert _cached(fake_gguf) == cached and len(hashed) == done  # its new stamps were recorded
+
+
+def test_a_killed_conversions_staging_is_swept(fake_gguf, tmp_path):
+    """A conversion killed half-way leaves a hidden staging folder as big as the model: the next conversion or
+    load removes it once its process is gone (and never a live process's)."""
+    import subprocess
+    import sys
+
+    from ddtree.loading import gguf_cache_dir
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    out = gguf_cache_dir(fake_gguf[0])
+    left = out.with_name(f".{out.name}.tmp{proc.pid}")  # the name main's conversions stage under
+    live = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    for folder in (left, live):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 1000)
+    _cached(fake_gguf)
+    assert not left.exists() and live.exists()
+
+
+def test_a_full_disk_while_converting_names_the_fix(fake_gguf, monkeypatch):
+    """safetensors reports a full disk as its own error type (a raw traceback before)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(ConfigError, match="cannot write the converted model in .*: the disk is full; free some"):
+        _cached(fake_gguf)
+    assert [p.name for p in Path(os.environ["DDTREE_CACHE"]).iterdir()] == []  # no staging left behind
 
 
 def test_unwritable_cache_fails_before_converting(fake_gguf, tmp_path, monkeypatch):
@@ -452,6 +508,16 @@ def test_bad_benchmark_prompt_file(tmp_path, line, message):
     path.write_text('{"prompt": "fine"}\n\n' + line + '\n{"turns": ["also fine", "second turn"]}\n')
     with pytest.raises(ConfigError, match=message):
         load_prompts(str(path), 1)  # the whole file is checked up front, not only the prompts asked for
+
+
+def test_a_dataset_path_that_does_not_exist(tmp_path):
+    """Reported as a missing file, not as an unknown dataset name."""
+    from ddtree.datasets import load_prompts
+
+    with pytest.raises(ConfigError, match="dataset file .*nope.jsonl' does not exist"):
+        load_prompts(str(tmp_path / "nope.jsonl"), 1)
+    with pytest.raises(ConfigError, match="unknown dataset 'humaneva'"):
+        load_prompts("humaneva", 1)
 
 
 def test_good_benchmark_prompt_file(tmp_path):

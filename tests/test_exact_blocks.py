@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from conftest import run
-from ddtree import exact_blocks
+from ddtree import cache, exact_blocks
 from ddtree.attention import Visibility
+from ddtree.cache import CACHE_MANIFEST
 from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import write_gguf
-from ddtree.loading import CACHE_MANIFEST
 from ddtree.qlinear import QWeight, kernel
 from test_gguf_export import template
 from test_qlinear import quantizable_target
@@ -143,6 +143,61 @@ def test_a_gguf_of_other_weights_gives_no_blocks_and_is_remembered(tmp_path, mon
 
     monkeypatch.setattr(quant_target, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
     assert not exact_blocks.attach(quantizable_target("llama", 3), path, conversion)
+
+
+def same_blocks(a, b) -> bool:
+    pairs = zip(a.layers + [(a.head,)], b.layers + [(b.head,)])
+    return all(torch.equal(qa.qs, qb.qs) and (qa.d is None or torch.equal(qa.d, qb.d))
+               for la, lb in pairs for qa, qb in zip(la, lb))
+
+
+@pytest.mark.parametrize("damage", ["same size", "truncated"])
+def test_damaged_cached_blocks_are_checked_again(tmp_path, monkeypatch, capsys, damage):
+    """A cached blocks file whose bytes changed (at the same size, or cut short) is never read as the model's
+    weights: it is noticed, the GGUF's blocks are checked again, and the cache is rewritten."""
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
+    first = quantizable_target("llama")
+    assert exact_blocks.attach(first, path, conversion)
+    file = exact_blocks.cache_file(exact_blocks.cache_key(conversion))
+    data = bytearray(file.read_bytes())
+    if damage == "same size":
+        data[-64:] = bytes(255 - b for b in data[-64:])  # the last tensor's bytes: a header that still parses
+    else:
+        data = data[: len(data) // 2]
+    file.write_bytes(bytes(data))
+    capsys.readouterr()
+    second = quantizable_target("llama")
+    assert exact_blocks.attach(second, path, conversion)
+    assert same_blocks(first.blocks, second.blocks)
+    assert "damaged or foreign" in capsys.readouterr().err
+    assert not cache.verify(file.parent) and file.read_bytes() != bytes(data)  # rewritten
+
+
+def test_a_full_disk_while_caching_the_blocks_is_a_notice(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own error type: a notice naming it, the blocks still used."""
+    from safetensors import SafetensorError
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    target = quantizable_target("llama")
+    assert exact_blocks.attach(target, gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
+    err = capsys.readouterr().err
+    assert "the disk is full" in err and "DDTREE_CACHE" in err and target.blocks is not None
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
+def test_blocks_can_be_turned_off_by_any_false_value(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", value)
+    target = quantizable_target("llama")
+    assert not exact_blocks.attach(target, gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
+    assert target.blocks is None
 
 
 def test_blocks_can_be_turned_off(tmp_path, monkeypatch):

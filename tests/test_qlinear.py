@@ -387,7 +387,135 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
         qlinear.kernel.cache_clear()
     monkeypatch.undo()
     monkeypatch.setenv("DDTREE_CPU_ISA", "sse4")
-    with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='sse4'"):
+    with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='sse4' is not valid"):
         qlinear.kernel_isa()
     monkeypatch.setenv("DDTREE_CPU_ISA", "AVX2")
     assert qlinear.kernel_isa() == "avx2"
+
+
+# --- the compiled kernels in the cache (qlinear.compile_extension, on a tiny extension that builds in seconds) -
+TINY = """#include <Python.h>
+#define CAT2(a, b) a##b
+#define CAT(a, b) CAT2(a, b)
+#define STR2(a) #a
+#define STR(a) STR2(a)
+static PyObject* answer(PyObject*, PyObject*) { return PyLong_FromLong(42); }
+static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, ""}, {nullptr, nullptr, 0, nullptr}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, STR(TORCH_EXTENSION_NAME), nullptr, -1, methods};
+PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&mod); }
+"""
+
+
+def tiny_build(tmp_path, monkeypatch):
+    """compile_extension of TINY into a cache under tmp_path: (a function that builds or loads it, its folder)."""
+    from ddtree import qlinear
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY)
+    build = lambda: qlinear.compile_extension("ddtree_tiny", [source], ["-O0"], "the tiny test extension")  # noqa: E731
+    module = build()
+    assert module.answer() == 42
+    folders = [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.is_dir()]
+    assert len(folders) == 1
+    return build, folders[0]
+
+
+def library_of(folder):
+    from ddtree import cache
+
+    return folder / cache.read_manifest(folder)["library"]
+
+
+def damage(library, data: bytes) -> None:
+    """Give `library` other bytes as a new file: this process has the old one mapped, and writing into a mapped
+    library (what a damaged cache does to a process that loads it) is a bus error."""
+    library.unlink()
+    library.write_bytes(data)
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_stale_build_lock_is_removed_not_waited_for(tmp_path, monkeypatch, capsys):
+    """A process killed while building leaves its lock; the next build sees its owner gone, removes it and builds
+    (a hang before: every later load waited forever, printing nothing)."""
+    import socket
+    import threading
+
+    build, folder = tiny_build(tmp_path, monkeypatch)
+    lock = folder.with_name(folder.name + ".lock")
+    lock.write_text(f"{socket.gethostname()} {dead_pid()}\n")
+    damage(library_of(folder), b"")  # and the library must be built again (so the lock is needed)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(build()), daemon=True)
+    worker.start()
+    worker.join(timeout=300)
+    assert not worker.is_alive(), "compile_extension hangs on a stale lock"
+    assert result[0].answer() == 42 and not lock.exists()
+    assert "removing the stale lock" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["garbage", "empty"])
+def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, capsys, kind):
+    """A damaged compiled library (a bus error or segfault when loaded) fails its checksum: it is built again,
+    with a notice, and only the rebuilt one is imported."""
+    from ddtree import cache
+
+    build, folder = tiny_build(tmp_path, monkeypatch)
+    library = library_of(folder)
+    size = library.stat().st_size
+    damage(library, b"" if kind == "empty" else bytes(random.Random(0).randrange(256) for _ in range(size)))
+    loaded = []
+    real_import = cache.import_library
+    monkeypatch.setattr("ddtree.qlinear.import_library", lambda p, n: loaded.append(p) or real_import(p, n))
+    capsys.readouterr()
+    assert build().answer() == 42
+    assert "damaged or incomplete" in capsys.readouterr().err
+    assert not loaded  # the damaged file was not imported: the rebuilt module came from the build itself
+    assert not cache.verify(folder, required=(library_of(folder).name,))
+
+
+def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkeypatch):
+    """A read-only cache (a container, a shared install) with a complete build: imported without a lock, a
+    compiler or a write (before, the build lock could not be taken and torch's slower matmuls served)."""
+    from ddtree import qlinear
+
+    build, folder = tiny_build(tmp_path, monkeypatch)
+
+    def no_lock(*args, **kwargs):
+        raise ConfigError("the cache is read-only")
+
+    monkeypatch.setattr(qlinear, "build_lock", no_lock)
+    monkeypatch.setattr(qlinear, "replacing_dir", no_lock)
+    assert build().answer() == 42
+
+
+def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
+    """DDTREE_CPU_ISA=bogus is an error (before: a warning and torch's 2x slower matmuls); DDTREE_CPU_KERNEL
+    takes any boolean spelling (before: only "0" turned it off)."""
+    from ddtree import qlinear
+
+    qlinear.cpu_kernel_available.cache_clear()
+    try:
+        monkeypatch.setenv("DDTREE_CPU_ISA", "bogus")
+        with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='bogus' is not valid: use one of avx2, avx512"):
+            qlinear.cpu_kernel_available()
+        monkeypatch.delenv("DDTREE_CPU_ISA")
+        for value in ("false", "OFF", "no", "0"):
+            qlinear.cpu_kernel_available.cache_clear()
+            monkeypatch.setenv("DDTREE_CPU_KERNEL", value)
+            assert qlinear.cpu_kernel_available() is False
+        qlinear.cpu_kernel_available.cache_clear()
+        monkeypatch.setenv("DDTREE_CPU_KERNEL", "maybe")
+        with pytest.raises(ConfigError, match="DDTREE_CPU_KERNEL='maybe' is not a boolean"):
+            qlinear.cpu_kernel_available()
+    finally:
+        qlinear.cpu_kernel_available.cache_clear()

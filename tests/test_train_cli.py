@@ -4,8 +4,10 @@ import json
 import pytest
 import torch
 
+from ddtree.config import ConfigError
 from ddtree.drafter import DFlashDrafter, untrained_drafter
 from ddtree.testing import random_target
+from ddtree.train.cli import _check_ids, _read_prompts_file, build_parser
 from ddtree.train.data import read_sequences
 from ddtree.train.trainer import Trainer
 from conftest import id_prompts, new_drafter, run, train_config
@@ -132,3 +134,17 @@ def test_quantize_rounds_every_matrix_to_8bit_blocks_and_decodes_losslessly(tmp_
             assert run(target, rounded, prompt, method, budget=budget or 1, max_new_tokens=20)[0] == reference
     assert cli.main(["quantize", "--draft", str(tmp_path / "src"), "--out", str(out)]) == 2  # needs --force
     assert cli.main(["quantize", "--draft", str(tmp_path), "--out", str(tmp_path / "x")]) == 2  # no config.json
+
+
+def test_prompts_file_ids_outside_the_vocabulary_and_a_bad_heldout(tmp_path):
+    """Token ids the target does not have were a raw IndexError mid-run; --heldout 1.5 was accepted."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"ids": [4, 5], "key": "ok"}\n{"ids": [4, 500], "key": "far"}\n')
+    prompts = _read_prompts_file(str(path))
+    with pytest.raises(ConfigError, match=r"prompt 'far' has token ids \[500\] outside the target's vocabulary"):
+        _check_ids(prompts, 96, str(path))
+    _check_ids(prompts[:1], 96, str(path))
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", bad])
+    assert build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", "0.1"]).heldout == 0.1

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
+from ..cache import replacing_dir
 from ..config import ConfigError, cli_int
-from ..files import output_dir, read_jsonl, replacing_dir
+from ..files import output_dir, read_jsonl
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -70,6 +71,27 @@ def _parse_mix(text: str | None):
         return {k: float(v) for k, v in (part.split("=") for part in text.split(","))}
     except ValueError:
         raise ConfigError(f"--mix must look like codeio=0.35,math=0.2,chat=0.2,stdlib=0.25, got {text!r}") from None
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1) (the share of prompts held out), got {text}")
+    return value
+
+
+def _check_ids(prompts, vocab_size: int, path: str) -> None:
+    """A ConfigError naming the prompt whose token ids fall outside the target's vocabulary."""
+    for p in prompts:
+        for ids in (p.ids, p.follow_up_ids):
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise ConfigError(f"--prompts-file {path}: prompt {p.key!r} has token ids {bad[:5]} outside the "
+                                  f"target's vocabulary (0..{vocab_size - 1}): were they made with another tokenizer?")
 
 
 def _is_ids(value) -> bool:
@@ -127,6 +149,8 @@ def cmd_generate_data(args) -> int:
         prompts = build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
         prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
     target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 only where the CPU has AMX
+    if args.prompts_file:
+        _check_ids(prompts, target.cfg.vocab_size, args.prompts_file)
     # the target as the user named it (the cache directory's name changes with the install)
     meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct",
             "mix": None if args.prompts_file else args.mix or "scale", "prompts_file": args.prompts_file}
@@ -426,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of prompts that get a second user turn after the answer (default %(default)s)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chunk-size", type=cli_int(1), default=250, help="prompts per chunk file (the unit of resuming)")
-    g.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of prompts (by key hash)")
+    g.add_argument("--heldout", type=_fraction, default=0.02, help="held-out fraction of prompts (by key hash)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     g.add_argument("--max-minutes", type=float, help="start no new chunk after this long (rerun resumes)")
     g.add_argument("--no-progress", action="store_true")
