@@ -97,8 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--traces", action="store_true",
-                   help="write per-step tree traces to OUT/traces.jsonl (timings then include ~1 ms per step "
-                        "for them, so traced records are kept apart from untraced ones)")
+                   help="write per-step tree traces to OUT/traces.jsonl (timings then include the time to record "
+                        "them, so traced records are kept apart from untraced ones)")
     # Self-test of the lossless checker: corrupt one ddtree output token before checking it, so a test can
     # prove that a mismatch is caught, reported and turns into a non-zero exit status. Never use for results.
     p.add_argument("--inject-mismatch", action="store_true", help=argparse.SUPPRESS)

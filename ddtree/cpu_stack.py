@@ -1,6 +1,6 @@
 """The target's decoder layers as one C++ call per pass on float32 CPUs (kernels/decoder.cpp).
 
-Why: on a CPU a SmolLM2-135M plain step is ~55 ms, and ~15 ms of it were the ~20 small torch ops per layer
+Why: on a CPU a small model's plain step spends a sizeable share of its time in the ~20 small torch ops per layer
 (norms, RoPE, cache writes, SDPA setup, SiLU, residuals), each costing more in dispatch than in arithmetic. The
 stack does the same computation per layer in C++ and calls the same matmuls: torch's GEMV for one row, the
 row-invariant kernel (kernels/qlinear.cpp) for 2-64 rows, the GGUF kernels for a quantized target. The
@@ -18,8 +18,8 @@ from .layers import SKINNY_MAX_ROWS
 from .qlinear import layer_max_rows
 
 F32, Q4_1, Q8_0, BF16, F32P = 1, 2, 3, 4, 5  # decoder.cpp's Linear kinds
-# float32 layer weights up to this size get a packed copy too (qlinear.pack_rows: 1-3-row passes 1.08-1.24x faster
-# on one thread, 1.12-1.16x on two, on the AVX2 EPYC); above it the memory is not worth it
+# float32 layer weights up to this size get a packed copy too (qlinear.pack_rows: one sequential stream per tile,
+# faster for narrow passes); above it the memory is not worth it
 PACK_MAX_BYTES = 1 << 30
 QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
 MAX_ROWS = SKINNY_MAX_ROWS  # above this (a prefill) torch's cache-blocked GEMM beats the skinny kernel
@@ -127,8 +127,8 @@ class WeightsWatch:
     surgery: version counters), re-pointed (`p.data = x`: data pointers) or replaced (attribute assignment, a new
     submodule: the registration hooks above, then the parameters' identities). Whoever holds copies of the weights
     (the stacks, bf16 and packed copies, transposes) asks on every pass and re-makes them when it is true.
-    `params_of()` lists the current weights. The check runs in C++ where the kernel is built (a few us for
-    SmolLM2's 272 target parameters, against ~0.18 ms for weights_key in Python), else in Python."""
+    `params_of()` lists the current weights. The check runs in C++ where the kernel is built (one loop, every
+    pass), else in Python (weights_key)."""
 
     def __init__(self, params_of):
         self.params_of = params_of
@@ -175,7 +175,7 @@ def values_sample(params) -> torch.Tensor:
 def weights_key(params) -> tuple:
     """What changes when a parameter is written in place or re-pointed (an optimizer step, load_state_dict, a
     test's surgery): identity, storage and version counter. WeightsWatch's check where the C++ snapshot is not
-    available; built by map() (C loops): ~3x faster than a generator over SmolLM2's 272."""
+    available; built by map() (C loops), not a generator: it runs every pass."""
     params = list(params)
     return tuple(map(id, params)), tuple(map(torch.Tensor.data_ptr, params)), tuple(map(_version, params))
 
@@ -211,8 +211,8 @@ def compact_copy(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor | None:
     """The copy of a float32 weight [N, K] that the kernel reads with the fewest bytes and the weight's own bits:
     8-bit blocks with power-of-two scales (qlinear.po2_q8; 8.5 bits a weight) where its values are exactly such
     blocks (a drafter rounded by `train quantize`), else bfloat16 (16 bits) where they are all bf16 values (bf16_copy),
-    else None. A drafter's pass reads its weights from memory after every target pass has evicted them: on the 2-core
-    AVX2 EPYC the shipped drafter's ~26 MB of bf16 took ~3.7 ms a draft (~9 GB/s, 1 thread), so bytes are its time."""
+    else None. A drafter's pass reads its weights from memory after every target pass has evicted them, so bytes are
+    its time."""
     if weight.dtype != torch.float32:
         return None
     return qlinear.po2_q8(weight) or bf16_copy(weight)

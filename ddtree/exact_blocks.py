@@ -4,13 +4,13 @@ Why: the embedded default's float32 weights ARE its GGUF's Q4_1 (layers) and Q8_
 (ddtree.loading converts that file). The CPU kernels (kernels/qlinear.cpp) sum each output in one order whatever
 format the weight is stored in, and a block dequantizes in registers to exactly the float value, so a product
 over the blocks has the bits of the product over the float weights: the same model, with 5 (Q4_1) or 8.5 (Q8_0)
-bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost ~2.5x
-less (SmolLM2's layers on the 2-core AVX2 EPYC, 2 threads: 9.6 against 23.8 ms). Wider passes are compute-bound
+bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost a
+fraction of the float ones (docs/cpu-speed.md). Wider passes are compute-bound
 and keep the float weights (layer_max_rows(), head_max_rows() below).
 
 Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
 and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
-Reading the GGUF's metadata takes ~6 s, so the blocks are checked against the float weights once and cached:
+Reading the GGUF's metadata takes seconds, so the blocks are checked against the float weights once and cached:
 $DDTREE_CACHE/exact-blocks/<the conversion's folder name>/blocks.safetensors, keyed by the conversion's checksum
 and sealed by ddtree/cache.py: a file whose bytes changed since is checked against the GGUF again (a damaged
 block would decode a different model, and every method would agree with it).

@@ -57,10 +57,10 @@ def resolve_device(device) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with AMX tiles; float32 on every other CPU. On an AVX2-only EPYC torch's bf16
-    matmuls are emulated (4-5x slower than fp32); on a Zen 4 EPYC with AVX512-BF16 but no AMX the float32 path
-    (the C++ decoder stack over the weights' exact compact blocks) decoded the embedded pair 2.8-3.4x faster than
-    bf16 (docs/cpu-speed.md, stop 25), so AVX512-BF16 alone does not make bf16 the default."""
+    """bfloat16 on CUDA and on CPUs with AMX tiles; float32 on every other CPU. Without AVX512-BF16 torch's bf16
+    matmuls are emulated; with it but without AMX the float32 path (the C++ decoder stack over the weights' exact
+    compact blocks) still decoded the embedded pair several times faster than bf16 (docs/cpu-speed.md), so
+    AVX512-BF16 alone does not make bf16 the default."""
     if torch.device(device).type == "cuda":
         return torch.bfloat16
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
@@ -164,7 +164,7 @@ def read_gguf(path: Path):
 
 def verify_cache(directory: Path) -> list[str]:
     """What is wrong with a cached conversion (empty: nothing): see cache.verify. A load of an untouched cache
-    costs a few stat calls, and a changed (or copied) one a full hash: ~0.35 s for SmolLM2's 538 MB."""
+    costs a few stat calls, and a changed (or copied) one a full hash of its weights."""
     return verify(directory, required=("model.safetensors",))
 
 

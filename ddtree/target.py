@@ -58,7 +58,7 @@ class TargetModel(nn.Module):
         if on:
             with torch.inference_mode(False):  # copies made during a pass (_follow_weights) stay ordinary tensors
                 # where the stack packs the layers, its packed copies serve their 1-row passes: no transposed
-                # 1-row copies for the layers (-280 MB for SmolLM2), made only if no stack can be built after all
+                # 1-row copies for the layers, made only if no stack can be built after all
                 packed = cpu_stack.packs(self.model.layers)
                 self.head_t = fuse_model(self, self.model.layers, self.lm_head, layer_copies=not packed)
                 self.stack = cpu_stack.build(self.cfg, self.model.layers,
@@ -81,7 +81,7 @@ class TargetModel(nn.Module):
         self.blocks = blocks
         self.stack = cpu_stack.build(self.cfg, self.model.layers, blocks.layers)
         if blocks.head is not None:
-            self.head_t = None  # its 1-row GEMV copy (113 MB for SmolLM2) would serve nothing now
+            self.head_t = None  # its 1-row GEMV copy ([H, V] floats) would serve nothing now
 
     def _follow_weights(self) -> None:
         """fuse() copies weights (transposes for 1-row GEMVs, the stack's packed and bf16 copies). A weight changed
@@ -128,14 +128,12 @@ class TargetModel(nn.Module):
                 or self.quant is not None and not isinstance(self.lm_head, nn.Linear))
 
     def lazy_logits(self, rows: int) -> bool:
-        """Should a verify of `rows` nodes return RowLogits? A walk reads ~tau rows (~2), each a 1-row head pass
-        (~4.8 ms for SmolLM2 on the AVX2 EPYC), where all rows at once take the row kernel: on one thread 5 rows
-        7-8.5 ms, 17 rows ~15 ms; on two threads the 1-row GEMV does not go faster while the kernel does (5 rows
-        5-5.8 ms). Measured ddtree tokens/s, all rows against RowLogits: 1 thread +4% at 5 and 9 nodes, -9% at
-        17; 2 threads +18-27% at 5-17 nodes. So float32 targets read rows lazily only on one thread from
-        ROW_LOGITS_MIN_ROWS nodes; a quantized head (compute-bound at several rows) always. A head with exact
-        blocks (attach_blocks) takes them for up to exact_blocks.head_max_rows() rows at once (2 threads: 1 row 2.0 ms,
-        5 rows 3.8, 9 rows 4.9; the float head at 17 rows 7.5), so it reads rows lazily only above that."""
+        """Should a verify of `rows` nodes return RowLogits? A walk reads about tau rows, each a 1-row head pass
+        that streams the [V, H] head, where all rows at once take the row kernel in one pass over it. On two threads
+        the kernel splits the head while torch's 1-row GEMV does not, so all rows at once win; on one thread lazy
+        rows win from ROW_LOGITS_MIN_ROWS nodes (docs/cpu-speed.md). A quantized head (compute-bound at several
+        rows) always reads lazily. A head with exact blocks (attach_blocks) takes them for up to
+        exact_blocks.head_max_rows() rows at once, so it reads rows lazily only above that."""
         if not self.row_logits or rows < 2:
             return False
         if self.blocks is not None and self.blocks.head is not None:

@@ -1,7 +1,7 @@
 // A stack of Llama/Qwen3 decoder layers run in one C++ call per forward pass, for float32 activations on x86 CPUs
 // with AVX2 + FMA. It is ddtree.layers.DecoderLayer.forward (the eager reference) with the attention of
-// ddtree.attention.attend over a KVCache, minus the ~20 small torch ops per layer that each cost more than their
-// arithmetic at 1-64 rows: a 1-token step of SmolLM2-135M spent ~15 of its ~55 ms in them on the AVX2 EPYC.
+// ddtree.attention.attend over a KVCache, minus the ~20 small torch ops per layer that each cost more in dispatch than
+// in arithmetic at 1-64 rows (a sizeable share of a small model's step: docs/cpu-speed.md).
 //
 // Per layer, for N new rows h [N, H] at cache rows [past, past + N):
 //   x = rmsnorm(h) ; qkv = x W_qkv (+ b) ; per-head q/k rmsnorm (Qwen3) ; RoPE on q and k ; k, v -> cache
@@ -115,9 +115,9 @@ struct Linear {
     } else if (kind == BF16) {
       y = bf16_linear(x, a);
     } else if (gemv) {
-      // One row-major row on one thread: torch's GEMV over the transposed copy streams the weight ~10% faster
-      // than the kernel. Packed weights go to the kernel at every width: one row there took 30.4-30.8 ms for
-      // SmolLM2's 30 layers against the GEMV's 32.9-34.6 on one thread, 22.1 against 38.7 on two (AVX2 EPYC).
+      // One row-major row on one thread: torch's GEMV over the transposed copy streams the weight faster than
+      // the kernel. Packed weights go to the kernel at every width, where it is the faster of the two (and on
+      // two threads it splits the weight's rows, which torch's GEMV does not).
       y = b.defined() ? at::mm(x, b) : at::mm(x, a.t());
     } else {
       y = kind == F32P ? f32p_linear(x, a) : f32_linear(x, a);  // fixed order per output: row-invariant
@@ -335,8 +335,7 @@ class Stack {
 
   // Attention of the N new rows, per KV head: its queries are (query head of its group, row) pairs, all reading
   // the same K and V. They walk the keys in blocks of KEY_BLOCK, so a block is read from L2/L3 once and serves
-  // every query of the task from L1 (against one query at a time over all keys: SmolLM2's 30 layers at 512 keys,
-  // 1-17 rows, 1 thread, 0.95-0.96x the time).
+  // every query of the task from L1, instead of once per query.
   // Each (query, key) score and each output column keep their order of sums (a score: dot()'s over D, then
   // hsum(); a column: the keys in order, the running sum parked in `out` between blocks, which rounds nothing),
   // so a row's result does not depend on N or on which queries share its task.
@@ -474,7 +473,7 @@ class Stack {
 };
 
 // The final norm of a pass, rows [N, H] -> [N, H]: the stack's rmsnorm as one call, where torch's RMSNorm takes
-// ~6 dispatched ops (0.1-0.15 ms a pass for SmolLM2's target and drafter on the AVX2 EPYC).
+// ~6 dispatched ops.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.size(1) % 8 == 0,
               "rms_norm: x must be float32 CPU [N, hidden] with hidden % 8 == 0");
@@ -489,8 +488,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // argmax of each row of x [N, V]: torch.argmax's answer (the first maximum; a NaN counts as the maximum, the first
-// one), in a vectorized pass for the maximum and one for its first index. torch's reduction took ~130 us a row
-// over SmolLM2's 49,152 logits on the AVX2 EPYC: ~1% of a plain step, every step of every method.
+// one), in a vectorized pass for the maximum and one for its first index. torch's reduction is several times slower
+// over a large vocabulary, and it runs every step of every method.
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.size(1) > 0,
               "argmax_rows: x must be float32 CPU [N, V] with V > 0");
@@ -537,8 +536,8 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 // One draw per row of probs [N, V] (non-negative, any scale): the first index whose running sum exceeds u * total,
 // u [N] uniform in [0, 1), the sums in double and in one order for the total and the scan (so the running sum
 // reaches the total and some index with p > 0 is always found). That is the categorical distribution p / total;
-// a zero p is never drawn. torch.multinomial took 1.0 ms a row on one thread and 3.5 ms on two over SmolLM2's
-// 49,152 probabilities on a Zen 4 EPYC (it draws an exponential per entry); this takes ~0.2 ms.
+// a zero p is never drawn. torch.multinomial draws an exponential per entry, over a whole vocabulary per row;
+// this is one uniform and one scan.
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.device().is_cpu() &&
                   probs.size(1) > 0, "sample_rows: probs must be float32 CPU [N, V] with V > 0");
@@ -570,7 +569,7 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
 }
 
 // A snapshot of tensors' data pointers and version counters (ddtree.cpu_stack.WeightsWatch): changed() is one C++
-// loop, where the same check in Python (three map() calls over SmolLM2's 272 parameters) took ~0.18 ms a pass.
+// loop, where the same check in Python costs three map() calls over every parameter, every pass.
 struct WeightsSnapshot {
   std::vector<torch::Tensor> tensors;  // the same TensorImpls as the Python parameters: `p.data = x` is seen too
   std::vector<const void*> pointers;

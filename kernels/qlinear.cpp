@@ -4,8 +4,8 @@
 //   Q4_1: w = d * q + m, q in 0..15, repacked at load so that no shuffles are needed: per 64 weights a 40-byte
 //         span of 8 uint32 lanes, nibble g (bits 4g..4g+3) of lane l holding weight 8g + l (so (lanes >> 4g) & 15
 //         is weights 8g..8g+7 in order), then the two blocks' fp16 scales d0, m0, d1, m1. One stream per row:
-//         with d and m in arrays of their own (three streams, 24 bytes a block) a 1-row pass over SmolLM2's 30
-//         layers from DRAM took 1.12-1.18x the time on the Zen 4 EPYC (2 threads; 1.27x on one).
+//         d and m in arrays of their own would make three streams per row (and 24 bytes a block, not 20), which
+//         the prefetchers serve more slowly (measured in docs/cpu-speed.md).
 //   Q8_0: w = d * q, q int8, GGUF's order; d float32 [N, K / 32].
 // The fp16 scales widen to fp32 exactly, and d * q is exact in fp32 (11 x 8 mantissa bits), so every weight
 // equals gguf-py's dequantized value bit for bit: the model is exactly the GGUF's.
@@ -34,8 +34,8 @@ constexpr int WIDE_PASS_ROWS = 12;
 #else
 constexpr int WIDE_PASS_ROWS = 5;
 #endif
-// Prefetch distance in rows. Without it a 30 MB Q8_0 LM head streamed at 3 GB/s on the AVX2 EPYC (fp32 weights
-// read in order reach 15 GB/s there); prefetching (never faults, so past the last row is harmless) fixes that.
+// Prefetch distance in rows. Without it a quantized weight streams at a fraction of the bandwidth that float32
+// weights read in order reach; prefetching (never faults, so past the last row is harmless) fixes that.
 constexpr int64_t PREFETCH_ROWS = 16;
 
 // Each kind reads a row's weights 64 at a time (a "span": two blocks); w8<G>() gives weights 8G..8G+7 of it.
@@ -91,8 +91,8 @@ struct Q8_0 {
 
 // Unquantized weights [N, K] through the same loops, as float32 or as bfloat16 widened in registers (exact: a bf16
 // is the top half of an fp32, so a bf16 product equals the float32 one on the widened weights bit for bit, at half
-// the bytes; for models published in bf16). For skinny products (2-64 rows) this beats torch's GEMM on the AVX2
-// EPYC, and it gives float models the same row-order invariance.
+// the bytes; for models published in bf16). For skinny products (2-64 rows) this beats torch's GEMM, which is tuned
+// for larger shapes, and it gives float models the same row-order invariance.
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -119,8 +119,8 @@ using F32 = Dense<float>;
 using BF16 = Dense<uint16_t>;
 
 // float32 weights packed per tile, [N / NT, K / 64, NT, 64] (qlinear.pack_rows): a tile's NT rows lie span by span
-// in ONE run of memory. Row-major [N, K] is read as NT streams at stride K, which the AVX2 EPYC's prefetchers
-// served slower (1-3 rows: 1.08-1.24x the time on 1 thread, 1.12-1.16x on 2). Same sums as F32, bit for bit.
+// in ONE run of memory. Row-major [N, K] is read as NT streams at stride K, which hardware prefetchers serve
+// more slowly than one sequential stream. Same sums as F32, bit for bit.
 struct Packed {
   const float* w;
   int64_t k;
@@ -183,8 +183,8 @@ inline void span_steps(const Q& q, int64_t n0, int64_t s, const float* x, __m256
 
 // The pass that reads the weights, dequantizing them in registers: y[r, n0 + t] for x rows [0, R), or (R == 0) the
 // tile dequantized into buf. Up to five rows take this one pass, not a pass that stores plus a sweep (see tile()).
-// More rows are swept over buf: multiplying two of them in the storing pass as well made 5 rows 0.93-0.98x and 9
-// rows 1.36x the time (its 1-row tail sweep).
+// More rows are swept over buf: multiplying two of them in the storing pass as well gained little at 5 rows and
+// lost at 9 (its 1-row tail sweep).
 template <class Q, int T, int R>
 inline void dequant_pass(const Q& q, int64_t n0, const float* x, int64_t K, int64_t N, float* y, float* buf) {
   __m256 acc[slots<R>][T];
@@ -238,7 +238,7 @@ inline bool half_tiles(const Q& q, int64_t n0, const float* x, int64_t M, int64_
 #endif
 
 // Outputs [n0, n0 + T) for every x row. float32 rows: sweeps of up to three x rows over the rows in place, one row
-// included (through the span-by-span pass, packed 1-row products took 1.11-1.23x the time). Other weights
+// included (the span-by-span pass was slower for packed 1-row products). Other weights
 // (quantized, bf16): up to WIDE_PASS_ROWS rows in the pass that dequantizes them in registers; more in sweeps of
 // three over the tile that the pass writes to buf [T, K].
 template <class Q, int T>
@@ -254,13 +254,12 @@ void tile(const Q& q, int64_t n0, const float* x, int64_t M, int64_t K, int64_t 
   const char* pf = prefetch_here ? reinterpret_cast<const char*>(w + PREFETCH_ROWS * K) : nullptr;
   if (w == nullptr) {
     // Up to five rows in the dequantizing pass, on as many weight rows at a time as keep its accumulators, x vectors
-    // and weights in the 16 registers: 2-3 x rows on half a tile (4 x 3 accumulators spilled: SmolLM2's 30 layers
-    // in Q4_1, 1 thread, 3 rows 22.5 -> 14.3 ms, 2 rows 16.9 -> 12.3), 4-5 rows one weight row at a time (which
-    // dequantizes nothing twice; 4 rows 27.7 -> 19.1 ms, 5 rows 33.4 -> 27.1 against a store-and-sweep pass). Every
-    // output keeps its one chain over K, so the bits do not change.
+    // and weights in the 16 registers (more would spill): 2-3 x rows on half a tile, 4-5 rows one weight row at a
+    // time (which dequantizes nothing twice, where a store-and-sweep pass would). Every output keeps its one chain
+    // over K, so the bits do not change.
 #if defined(__AVX512VL__)
-    // 2 threads, SmolLM2's 30 layers in Q4_1 (Zen 4 EPYC, ms): 5 rows 9.5 -> 8.6, 6 rows 17.0 -> 11.5, 9 rows
-    // 19.2 -> 15.9, 12 rows 24.0 -> 20.4 against the loops below (built with AVX-512 too)
+    // With 32 vector registers half tiles keep up to 12 rows' accumulators in one dequantizing pass, where the
+    // loops below store and sweep from 6 rows on
     if constexpr (T % 2 == 0) {
       if (half_tiles<Q, T>(q, n0, x, M, K, N, y, buf)) return;
     }
