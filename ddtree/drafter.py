@@ -20,6 +20,7 @@ from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig, read_config
 from .kv_cache import ContextCache, KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary, linear
+from .loading import check_shapes, read_safetensors
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -363,8 +364,6 @@ class DFlashDrafter(nn.Module):
              attention_backend: str = "sdpa", target=None) -> "DFlashDrafter":
         """With `target`, its config is checked against the drafter's before any weights are read (the
         mismatch named, not a size error), and the drafter comes back bound to it."""
-        from .loading import check_shapes, read_safetensors
-
         directory = Path(directory)
         cfg = DrafterConfig.from_hf(read_config(directory))
         if target is not None:

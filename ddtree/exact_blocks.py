@@ -28,6 +28,7 @@ from .cache import CACHE_MANIFEST, cache_root, notice, read_manifest, replacing_
 from .config import ConfigError
 from .knobs import env_flag
 from .qlinear import QWeight, head_max_rows, layer_max_rows  # noqa: F401 (the blocks' row limits)
+from .quant_target import fused_groups, gguf_blocks
 
 FORMAT = 2  # 2: Q4_1 in 40-byte spans with fp16 scales (1: lanes, d and m apart)
 SLOTS = ("qkv", "o", "gate_up", "down")
@@ -136,8 +137,6 @@ def _store(key: dict, blocks: ExactBlocks) -> None:
 
 
 def _extract(target, gguf_path: Path) -> ExactBlocks:
-    from .quant_target import fused_groups, gguf_blocks
-
     try:
         layers, head = gguf_blocks(target, gguf_path)
     except ConfigError:  # another file's weights, or a tensor missing: no blocks, the float weights alone

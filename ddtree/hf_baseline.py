@@ -6,6 +6,10 @@ import time
 
 import torch
 
+from .api import GenerationResult
+from .quant_target import dequantized_state
+from .stats import GenerationStats
+
 
 def to_hf_model(target):
     """A transformers CausalLM holding a copy of the same weights, in the same dtype and on the same device
@@ -19,8 +23,6 @@ def to_hf_model(target):
     hf_cfg = AutoConfig.for_model(target.cfg.arch, **cfg)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=target.dtype)
     if target.quant:  # a GGUF-quantized target: the same weights, dequantized (exactly)
-        from .quant_target import dequantized_state
-
         state = dequantized_state(target)
     else:
         state = target.state_dict()
@@ -58,9 +60,6 @@ class HFBaseline:
         return None
 
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
-        from .api import GenerationResult
-        from .stats import GenerationStats
-
         if self.model is None:
             self.model = to_hf_model(self.pair.target)
         ids = self.pair.encode(prompt, chat)

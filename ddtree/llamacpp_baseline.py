@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
+from .api import GenerationResult
+from .cache import cache_root, replacing_dir
 from .config import ConfigError
+from .files import output_dir
+from .gguf_export import write_gguf
+from .stats import GenerationStats
 
 INSTALL = ('pip install -e ".[llamacpp]" (or pip install llama-cpp-python; it builds llama.cpp from source, '
            "~10 min on 2 cores)")
@@ -39,10 +44,6 @@ def llamacpp_problem() -> str | None:
 
 def exported_gguf(pair) -> Path:
     """The target's weights as a GGUF in its own precision, written once per (source file, dtype) and cached."""
-    from .cache import cache_root, replacing_dir
-    from .files import output_dir
-    from .gguf_export import write_gguf
-
     source = pair.source_gguf
     if source is None:
         raise ConfigError("the llamacpp method needs the target's GGUF for its tokenizer metadata: load the target "
@@ -92,9 +93,6 @@ class LlamaCppBaseline:
                      verbose=False)
 
     def generate(self, prompt, max_new_tokens: int, chat: bool = True):
-        from .api import GenerationResult
-        from .stats import GenerationStats
-
         if self.model is None:
             self.model = self.load()
         ids, stop = self.pair.encode(prompt, chat), set(self.pair.stop_ids)

@@ -15,6 +15,7 @@ from .attention import resolve_backend
 from .cache import cache_root, replacing_dir, seal, sweep, verify
 from .config import SUPPORTED_ARCHS, ConfigError, ModelConfig, read_config
 from .files import output_dir
+from .hf_target import attention_layout, load_hf_target
 from .layers import Rotary
 from .target import TargetModel
 
@@ -243,8 +244,6 @@ def own_code_gap(directory: Path, raw: dict) -> str | None:
         return f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)
     from transformers import AutoConfig
 
-    from .hf_target import attention_layout
-
     if any(w is not None for w in attention_layout(AutoConfig.from_pretrained(str(directory)))[1]):
         return f"{cfg.arch} with sliding-window attention (not implemented by the own code)"
     return None
@@ -267,8 +266,6 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
     """The target model: the own-code TargetModel, or the generic hf_target.HFTarget (see choose_backend)."""
     attention_backend = resolve_backend(attention_backend, device)  # once, here: passes never read the environment
     if choose_backend(directory, backend) == "hf":
-        from .hf_target import load_hf_target
-
         return load_hf_target(directory, dtype, device, attention_backend)
     raw = read_config(directory)
     try:

@@ -7,6 +7,7 @@ from torch import nn
 from . import cpu_stack, exact_blocks, qlinear
 from .attention import Visibility, attend
 from .config import ConfigError, ModelConfig
+from .fused import fuse_layer, fuse_model, unfuse_layer
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary, project
 from .protocol import RowLogits, TargetOutput
@@ -51,8 +52,6 @@ class TargetModel(nn.Module):
     def fuse(self, on: bool = True) -> "TargetModel":
         """The inference weight layout (ddtree.fused: fused QKV and gate/up, a CPU LM head), or back to the
         separate-projection reference layout with on=False. Call after the final .to(device, dtype)."""
-        from .fused import fuse_layer, fuse_model, unfuse_layer
-
         if self.quant:
             raise ConfigError("a quantized target (quant='gguf') has no float layout to switch to; load it without quant")
         if on:

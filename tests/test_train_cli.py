@@ -92,7 +92,7 @@ def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypat
     def broken_card(*args):  # an export that fails half-way (after the weights were written)
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr("ddtree.train.card.model_card", broken_card)
+    monkeypatch.setattr("ddtree.train.cli.model_card", broken_card)  # where the CLI looks it up
     with pytest.raises(RuntimeError, match="disk full"):
         cli.main(["export", "--run", str(run), "--out", str(out), "--dtype", "float32", "--force"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old drafter is whole

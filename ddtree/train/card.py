@@ -6,6 +6,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .data import data_dir_list, read_sequences
+
 # Where the default prompt mix comes from (ddtree/train/prompts.py), with licences.
 SOURCE_NOTES = {
     "codeio": "reasoning-gym CodeI/O items (`data/codeio-hq.jsonl.gz`, `codeio.jsonl.gz`; Apache-2.0)",
@@ -19,8 +21,6 @@ SOURCE_NOTES = {
 
 
 def _data_section(data_dir: Path, title: str = "## Training data") -> list[str]:
-    from .data import read_sequences
-
     seqs = read_sequences(data_dir, split=None)
     meta_path = data_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
@@ -75,8 +75,6 @@ def model_card(state: dict, run_dir: Path | None, data_dirs, dtype: str, name: s
              + (f"{1 - cfg['distill']:g} x cross-entropy with the target's token + {cfg['distill']:g} x cross-entropy "
                 f"with the target's own top-{cfg['distill_topk']} distribution (distillation)."
                 if cfg.get("distill") else "cross-entropy with the target's token."), ""]
-    from .data import data_dir_list
-
     dirs = data_dir_list(data_dirs)
     for d in dirs:
         lines += _data_section(Path(d), "## Training data" + (f": `{Path(d).name}`" if len(dirs) > 1 else ""))

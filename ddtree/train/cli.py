@@ -13,15 +13,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shutil
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
 
+from ..api import load
 from ..cache import replacing_dir
 from ..config import ConfigError, cli_int
+from ..datasets import load_prompts
+from ..drafter import DFlashDrafter, untrained_drafter
 from ..files import output_dir, read_jsonl
+from ..loading import (default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device, resolve_target_dir,
+                       stop_token_ids)
+from ..qlinear import po2_q8
+from .card import model_card
+from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
+from .grow import grow_drafter, layers_from_target
+from .probe import probe
+from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
+from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
+                      resume_config)
+from .vocab import coverage, draft_vocabulary, response_token_counts, with_draft_vocab
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -50,11 +66,9 @@ def _target_args(p):
 
 def _load_target(args, dtype_default=None):
     """dtype_default(device) picks the dtype when --dtype is not given (default: fp32 on CPU, bf16 on CUDA)."""
-    from ..loading import load_target, load_tokenizer, parse_dtype, resolve_device, resolve_target_dir, stop_token_ids
-
     device = resolve_device(args.device)
-    if device.type == "cuda" and "LOCAL_RANK" in __import__("os").environ:
-        device = torch.device("cuda", int(__import__("os").environ["LOCAL_RANK"]))
+    if device.type == "cuda" and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     dtype = parse_dtype(args.dtype) if args.dtype else dtype_default(device) if dtype_default else \
         (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -102,8 +116,6 @@ def _read_prompts_file(path: str):
     """Prompts from JSONL: {"text"}, {"messages"} or {"ids"} per line, with optional "key", "source" and a
     second user turn ("follow_up" text with text/messages, "follow_up_ids" tokens with ids: the template's
     tokens after the first answer's stop token, as `train export-prompts` writes them)."""
-    from .prompts import Prompt
-
     if not Path(path).is_file():
         raise ConfigError(f"--prompts-file {path} does not exist")
     out = []
@@ -135,11 +147,6 @@ def _keys(record) -> str:
 
 
 def cmd_generate_data(args) -> int:
-    from .data import GenerationSettings, generate_data
-    from .prompts import SCALE_MIX, build_prompts, with_follow_ups
-
-    from ..loading import default_dtype
-
     settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
                                   args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
     output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
@@ -167,11 +174,6 @@ def cmd_generate_data(args) -> int:
 def cmd_export_prompts(args) -> int:
     """The training prompts as token ids (prompt and follow-up turn, in the target's chat template), for a
     generate-data run on a machine without the prompt packages or the tokenizer (e.g. a GPU box)."""
-    from .data import encode_prompt, follow_up_ids, read_records
-    from .prompts import SCALE_MIX, build_prompts, with_follow_ups
-
-    from ..loading import load_tokenizer, resolve_target_dir
-
     out = Path(args.out)
     output_dir(out.parent, "the parent of --out")
     tokenizer = load_tokenizer(resolve_target_dir(args.target))
@@ -200,8 +202,6 @@ def cmd_export_prompts(args) -> int:
 
 
 def _train_config(args):
-    from .trainer import TrainConfig
-
     names = {f.name for f in fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}
     values["progress"] = not args.no_progress
@@ -210,8 +210,6 @@ def _train_config(args):
 
 def _warn_ignored(args, state: dict, drafter) -> None:
     """On --resume the run's own settings hold; say so for any that this command line tries to change."""
-    from .trainer import RUNTIME_FIELDS
-
     saved = dict(state["config"], layers=drafter.cfg.model.num_layers, block_size=drafter.cfg.block_size,
                  mask_token_id=drafter.cfg.mask_token_id, taps=list(drafter.cfg.target_layer_ids))
     ignored = [k for k, v in vars(args).items() if k in saved and k not in RUNTIME_FIELDS and v is not None
@@ -224,11 +222,6 @@ def _warn_ignored(args, state: dict, drafter) -> None:
 def _initial_drafter(args, target, tokenizer, seed: int, vocab=None):
     """A seeded random drafter, or (--init-from) an existing drafter's weights to go on from, e.g. at another
     block size: the weights do not depend on it. vocab: target ids of a reduced draft vocabulary (or None)."""
-
-    from ..drafter import DFlashDrafter, untrained_drafter
-    from .vocab import with_draft_vocab
-
-    from .grow import grow_drafter, layers_from_target
 
     if args.init_from is None:
         mask = args.mask_token_id if args.mask_token_id is not None else \
@@ -261,8 +254,6 @@ def _tap_list(text: str) -> list[int]:
 
 def _with_taps(drafter, taps, target, seed: int):
     """A random drafter reading `taps` instead of its default tap layers (a fresh fc of the right width)."""
-    from ..drafter import DFlashDrafter
-
     new = DFlashDrafter(replace(drafter.cfg, target_layer_ids=tuple(taps)), drafter.attention_backend)
     state = drafter.state_dict()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -272,9 +263,6 @@ def _with_taps(drafter, taps, target, seed: int):
 
 
 def cmd_fit(args) -> int:
-    from .data import read_sequences
-    from .trainer import CHECKPOINT, Trainer, drafter_from_checkpoint, init_distributed, resume_config
-
     out = output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
     train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
     target, tokenizer, stops, _ = _load_target(args)
@@ -295,8 +283,6 @@ def cmd_fit(args) -> int:
                               "choose another --out")
         vocab = None
         if args.draft_vocab:
-            from .vocab import coverage, draft_vocabulary, response_token_counts
-
             vocab = draft_vocabulary(response_token_counts(train, target.cfg.vocab_size), args.draft_vocab, stops)
             print(f"fit: draft vocabulary of {args.draft_vocab} tokens covers {coverage(vocab, train):.2%} of the "
                   f"training and {coverage(vocab, heldout):.2%} of the held-out response tokens", file=sys.stderr)
@@ -318,10 +304,6 @@ def cmd_fit(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from ..loading import parse_dtype
-    from .card import model_card
-    from .trainer import CHECKPOINT, drafter_from_checkpoint
-
     path = Path(args.run)
     path = path / CHECKPOINT if path.is_dir() else path
     if not path.is_file():
@@ -357,11 +339,6 @@ def cmd_quantize(args) -> int:
     """A drafter with every matrix rounded to 8-bit blocks with power-of-two scales (qlinear.round_po2_q8), saved
     in bfloat16, which holds those values exactly: a drafter in the published format like any other, whose float32
     CPU passes read 8.5 bits a weight instead of 16 (cpu_stack.compact_copy), with the same bits as its bf16 file."""
-    import shutil
-
-    from ..drafter import DFlashDrafter
-    from ..qlinear import po2_q8
-
     source = Path(args.draft)
     if not (source / "config.json").is_file():
         raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
@@ -385,13 +362,6 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    import random
-
-    from ..api import load
-    from ..datasets import load_prompts
-    from .data import read_sequences
-    from .probe import probe
-
     budgets = [int(b) for b in args.budgets.split(",")]
     if min(budgets) < 1 or max(budgets) > args.top_k:
         raise ConfigError(f"--budgets must lie in 1..--top-k ({args.top_k}), got {args.budgets}")

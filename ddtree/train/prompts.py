@@ -35,6 +35,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..datasets import gsm
+
 SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt", "writing", "complete")
 DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}  # the 2025 shipped drafter's mix
 SCALE_MIX = {"sharegpt": 0.35, "codeio": 0.25, "stdlib": 0.15, "chat": 0.12, "math": 0.13}
@@ -393,8 +395,6 @@ def evaluation_shingles() -> set[str]:
     except (FileNotFoundError, OSError):
         pass
     try:  # the GSM-style set: the benchmark's questions (fixed seed), many more than any run uses
-        from ..datasets import gsm
-
         for q in gsm(500):
             out |= _shingles(q)
     except Exception:  # noqa: BLE001 - reasoning-gym missing or changed: its questions cannot be generated

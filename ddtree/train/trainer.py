@@ -9,6 +9,7 @@ the sequences and anchors an uninterrupted one would have seen:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..api import Pair
 from ..config import ConfigError
 from ..drafter import DFlashDrafter, DrafterConfig
 from .data import Sequence
@@ -110,8 +112,6 @@ class FeatureSource:
         return results
 
     def _path(self, seq: Sequence, tokens: torch.Tensor):
-        import hashlib
-
         return self.dir / (hashlib.sha1(f"{seq.key}:{tokens.tolist()}".encode()).hexdigest()[:20] + ".pt")
 
     def _load(self, seq: Sequence, tokens: torch.Tensor):
@@ -269,8 +269,6 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out weighted CE / top-1 accuracy (fixed anchors) and tau of real dflash (and ddtree) decoding."""
-        from ..api import Pair
-
         self.drafter.eval()
         out = {"kind": "eval", "step": self.step, "label_tokens": self.label_tokens, "seq_tokens": self.seq_tokens,
                "train_seconds": round(self.train_seconds, 2)}

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from ..drafter import DFlashDrafter
 from .data import Sequence
 
 
@@ -42,8 +43,6 @@ def coverage(ids: torch.Tensor, seqs: list[Sequence]) -> float:
 def with_draft_vocab(drafter, ids: torch.Tensor, head_weight: torch.Tensor):
     """A copy of `drafter` predicting over the draft vocabulary `ids`: the same layers, its own head made of
     the rows `ids` of `head_weight` [V, H] (the target's LM head)."""
-    from ..drafter import DFlashDrafter
-
     cfg = replace(drafter.cfg, draft_vocab_size=int(ids.numel()))
     new = DFlashDrafter(cfg, drafter.attention_backend)
     own = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t")}
