@@ -156,7 +156,7 @@ def test_stack_refuses_bad_input_with_a_message():
 def test_quantized_stack_matches_eager_and_its_one_row_steps(tmp_path):
     """On a quantized target every matmul is row-invariant, 1 row included, so a chain's rows equal 1-row steps
     bit for bit: dflash and ddtree are then exactly its ar (tests/test_qlinear.py decodes them)."""
-    from test_qlinear import quantized
+    from test_quant_target import quantized
 
     target = quantized("qwen3", tmp_path)
     assert target.stack is not None

@@ -14,7 +14,7 @@ from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import write_gguf
 from ddtree.qlinear import QWeight, kernel
 from test_gguf_export import template
-from test_qlinear import quantizable_target
+from test_quant_target import quantizable_target
 
 def gguf_of(target, tmp_path, name="t.gguf"):
     return write_gguf(target, tmp_path / name, template(tmp_path / "template.gguf"), quant="Q4_1")
@@ -119,9 +119,7 @@ def test_attach_checks_once_then_reads_the_cache(tmp_path, monkeypatch):
     first = quantizable_target("llama")
     assert exact_blocks.attach(first, path, conversion)
     assert exact_blocks.cache_file(exact_blocks.cache_key(conversion)).is_file()
-    import ddtree.quant_target as quant_target
-
-    monkeypatch.setattr(quant_target, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
+    monkeypatch.setattr(exact_blocks, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
     second = quantizable_target("llama")
     assert exact_blocks.attach(second, path, conversion)
     for a, b in zip(first.blocks.layers + [(first.blocks.head,)], second.blocks.layers + [(second.blocks.head,)]):
@@ -139,9 +137,7 @@ def test_a_gguf_of_other_weights_gives_no_blocks_and_is_remembered(tmp_path, mon
     path, conversion = gguf_of(quantizable_target("llama", 4), tmp_path), fake_conversion(tmp_path)
     target = quantizable_target("llama", 3)
     assert not exact_blocks.attach(target, path, conversion) and target.blocks is None
-    import ddtree.quant_target as quant_target
-
-    monkeypatch.setattr(quant_target, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
+    monkeypatch.setattr(exact_blocks, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
     assert not exact_blocks.attach(quantizable_target("llama", 3), path, conversion)
 
 
