@@ -198,15 +198,16 @@ def sweep(folder: Path) -> list[Path]:
 def replacing_dir(dest: Path, what: str | None = None):
     """Yields an empty staging directory beside `dest` to write into; when the block ends normally the staging
     directory replaces `dest`, else it is deleted and `dest` stays as it was. What was at `dest` is moved aside
-    first and deleted only once the new one is in place, so `dest` is never a mix of old and new files. Leftover
-    staging of stopped processes beside it is swept first. With `what` (a cache entry's name), a failed write
-    is a ConfigError naming the problem and the fix."""
+    first and deleted only once the new one is in place, so `dest` is never a mix of old and new files. With
+    `what` (the name of a cache entry), leftover staging of stopped processes beside it is swept first (only in
+    the cache: a user's folder is never swept), and a failed write is a ConfigError naming the problem and the fix."""
     dest = Path(dest)
     tmp = staging_path(dest)
     old = tmp.with_name(tmp.name.replace(".tmp-", ".old-", 1))
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        sweep(dest.parent)
+        if what:
+            sweep(dest.parent)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     except OSError as e:

@@ -102,3 +102,12 @@ def test_a_stale_lock_is_removed_and_a_live_one_waited_for(tmp_path, capsys, mon
     lock.unlink()  # the owner finished
     assert entered.wait(10)
     assert "waiting for process" in capsys.readouterr().err
+
+
+def test_a_users_folder_is_never_swept(tmp_path):
+    """replacing_dir without a cache entry's name (an --out folder) leaves files that only look like staging."""
+    mine = tmp_path / f"notes.{dead_pid()}.tmp"
+    mine.write_text("the user's")
+    with cache.replacing_dir(tmp_path / "out") as tmp:
+        (tmp / "drafter.safetensors").write_text("x")
+    assert mine.exists() and (tmp_path / "out" / "drafter.safetensors").exists()
