@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it must be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from ddtree import cost_cache, qlinear
 from ddtree.config import SamplingParams
 from ddtree.drafter import untrained_drafter
 from ddtree.engine import Decoder, make_method
@@ -24,10 +25,16 @@ torch.set_num_threads(1)  # tiny models: per-op overhead dominates, threads only
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _cpu_kernel_from_the_users_cache():
+    """Load the CPU kernel once, from the user's cache (built there on the first run), before any test points
+    DDTREE_CACHE at a temporary folder: the first kernel use of the session would otherwise compile it there
+    again, on every run."""
+    qlinear.cpu_kernel_available()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _verify_costs_in_a_temporary_folder(tmp_path_factory):
     """The adaptive budget's cost curves of the tests' tiny models stay out of the user's cache."""
-    from ddtree import cost_cache
-
     folder = tmp_path_factory.mktemp("verify-costs")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cost_cache, "costs_dir", lambda: folder)

@@ -41,6 +41,7 @@ def test_triton_where_it_cannot_run_is_an_error(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
 
 
+@pytest.mark.slow
 def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
     """The environment is read when the model is loaded, never on a forward pass."""
     import json
@@ -77,6 +78,7 @@ def test_seam_backends_agree(ancestors):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_engine_with_triton_backend_is_lossless():
     target, drafter = random_pair("qwen3", seed=12, block_size=4, num_layers=2, num_draft_layers=1)
     prompt = [3, 9, 27, 81 % 96, 5]

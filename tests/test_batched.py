@@ -33,6 +33,7 @@ def _check_rows(target, answers, max_new_tokens):
 
 @pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen3", torch.float32),
                                         ("llama", torch.bfloat16)])
+@pytest.mark.slow
 def test_rows_equal_single_sequence_decoding(arch, dtype):
     target = random_target(arch, seed=3, dtype=dtype, init_scale=0.25)
     decoder = BatchedDecoder(target, slots=4, capacity=160, max_new_tokens=24, stop_ids=STOPS, group_size=2,

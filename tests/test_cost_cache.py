@@ -88,6 +88,7 @@ def test_a_bad_or_foreign_file_is_measured_again(folder, counted, content, recwa
     assert len(counted) == 1 and json.loads(path.read_text())["key"] == key  # replaced
 
 
+@pytest.mark.slow
 def test_auto_uses_the_cache(folder, counted):
     """budget='auto' gets its curve in prepare(), before the timed generation, through the cache."""
     from ddtree.api import Pair

@@ -84,6 +84,7 @@ def test_stack_pass_matches_eager(arch, shape):
     torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 128])  # SmolLM2's and Qwen3's: full and several 64-column value blocks
 @pytest.mark.parametrize("past", [150, 247, 253])  # key counts off and on the eight-key score tiles and 32-key blocks
 def test_stack_attention_over_a_long_past_matches_eager(head_dim, past):
@@ -110,6 +111,7 @@ def test_stack_rows_do_not_depend_on_the_pass_width(arch):
     assert torch.equal(long.logits[:5], short.logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_stack_tokens_equal_eager_tokens(arch):
     """ar, dflash and ddtree decode the same tokens with the stack as with the eager layers (fp32)."""
@@ -385,6 +387,7 @@ def test_weights_watch_sees_writes_repointing_and_replacement(native, monkeypatc
     assert not watch.changed()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["data", "numpy"])
 def test_writes_torch_does_not_count_are_refused_until_refresh(how):
     """`w.data.mul_()` and a numpy view's elements bypass torch's write counters, so the copies the fast paths

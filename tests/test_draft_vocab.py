@@ -51,6 +51,7 @@ def test_reduced_head_equals_the_full_heads_columns():
     torch.testing.assert_close(reduced.draft(cache_b, torch.tensor([3])), full.draft(cache_a, torch.tensor([3]))[:, VOCAB_IDS])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_reduced_vocab_drafter_is_lossless_greedy(arch):
     target, full = random_pair(arch, seed=11, num_draft_layers=2, block_size=8, init_scale=0.25)
@@ -71,6 +72,7 @@ def test_reduced_vocab_drafter_is_lossless_greedy(arch):
     assert accepted > 40  # the drafts really were accepted, through the d2t mapping
 
 
+@pytest.mark.slow
 def test_reduced_vocab_drafter_samples_the_target_distribution():
     from test_sampling import SAMPLES, VOCAB, chi_square_rejects, exact_distribution, sample_counts
 

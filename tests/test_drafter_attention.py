@@ -93,6 +93,7 @@ def test_options_it_cannot_apply_are_refused(change, message):
         DrafterConfig.from_hf(raw)
 
 
+@pytest.mark.slow
 def test_windowed_drafter_stays_lossless():
     """The sliding / causal options change what is drafted (the drafter's own draft() runs here, no oracle),
     never what is emitted."""

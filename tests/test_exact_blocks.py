@@ -71,6 +71,7 @@ def test_blocks_serve_narrow_passes_and_the_float_weights_wide_ones(tmp_path):
             assert torch.equal(target.logits(h), plain.logits(h)) != changes, f"head, {rows} rows"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_methods_with_exact_blocks_decode_as_float_ar(arch, tmp_path):
     blocked, plain = with_blocks(arch, tmp_path, seed=11), quantizable_target(arch, seed=11)

@@ -51,6 +51,7 @@ def test_fused_forward_matches_reference(arch):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_tokens_equal_reference_tokens(arch):
     """ar, dflash and ddtree decode the same tokens on the fused and the reference layout (fp32)."""

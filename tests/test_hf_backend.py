@@ -80,6 +80,7 @@ def count_moved_commits(target) -> dict:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_matches_hf_generate(hf_dirs, arch):
     target = load_target(hf_dirs[arch], torch.float32, "cpu", backend="hf")

@@ -147,12 +147,14 @@ def case_id(case) -> str:
     return f"{str(dtype)[6:]}-g{hq // hkv}-d{d}-p{past}-n{n}-{tree}-{tiles}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,hq,hkv,d,past,n,tree,config", CASES, ids=[case_id(c) for c in CASES])
 def test_kernel_matches_reference(dtype, hq, hkv, d, past, n, tree, config):
     seed = zlib.crc32(repr((dtype, hq, hkv, d, past, n, tree)).encode())  # fresh inputs per case, stable
     check(dtype, hq, hkv, d, past, n, tree, config, seed=seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [None, B(16, 32), B(16, 32, num_splits=2)])
 def test_causal_tree_skip_matches(config):
     """causal_tree=True (skip tree blocks after the tile's last node) gives the same result on real trees."""
@@ -222,6 +224,7 @@ def test_input_validation():
             call()
 
 
+@pytest.mark.slow
 def test_compiles_for_h100_without_gpu():
     """AOT-compile one H100 config (the interpreter never exercises the GPU lowering): no spills, fits smem."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}

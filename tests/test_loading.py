@@ -263,6 +263,7 @@ def test_read_only_cache_fails_before_converting(fake_gguf, tmp_path, monkeypatc
     assert not conversions
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
 def test_generate_json_is_json_on_a_first_run(fake_gguf, capsys):
     """The first run converts the GGUF: that notice goes to stderr, stdout stays one JSON object."""

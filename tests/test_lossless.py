@@ -21,6 +21,7 @@ def prompts_and_limits(seed: int):
             for i in range(N_PROMPTS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("drafter_kind", ["random", "oracle"])
 def test_greedy_matches_ar(pairs, arch, drafter_kind):
@@ -42,6 +43,7 @@ def test_greedy_matches_ar(pairs, arch, drafter_kind):
         assert accepted > 500, "the oracle should make many drafts accepted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_early_stop_tokens(pairs, arch):
     """A stop token hit mid-tree ends every method at the same token as plain decoding."""
@@ -57,6 +59,7 @@ def test_early_stop_tokens(pairs, arch):
             assert tokens == reference and stats.stop_reason == "eos"
 
 
+@pytest.mark.slow
 def test_context_limit_stops_cleanly():
     target, drafter = random_pair("qwen3", seed=3, block_size=8, max_position_embeddings=48)
     prompt = list(range(3, 40))
@@ -68,6 +71,7 @@ def test_context_limit_stops_cleanly():
         assert tokens == reference and stats.stop_reason == "context_limit"
 
 
+@pytest.mark.slow
 def test_block_size_override(pairs):
     target, drafter = pairs["llama"]
     prompt = [5, 6, 7, 8]
@@ -79,6 +83,7 @@ def test_block_size_override(pairs):
             assert tokens == reference and max(stats.acceptance_lengths) <= block
 
 
+@pytest.mark.slow
 def test_bfloat16_pair_runs_and_agrees_or_ties(pairs):
     """In bf16 a verify pass may flip a near-tie; the checker must call every divergence a tie flip."""
     from ddtree.api import Pair

@@ -99,6 +99,7 @@ def test_make_method_classes_and_pair_reuses_them(pair):
 
 @pytest.mark.parametrize("budget,block,length", [(1, None, 2), (2, None, 3), (4, None, 5), (7, None, 8),
                                                   (64, None, 8), ("auto", None, 8), (2, 6, 3), (16, 6, 6)])
+@pytest.mark.slow
 def test_ddtree_drafts_no_deeper_than_its_budget(pair, budget, block, length):
     """A tree of B nodes is at most B deep: ddtree drafts min(block, B + 1) positions, and the tree it builds
     from them still has its B nodes (the pair's drafter has block 8)."""

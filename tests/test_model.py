@@ -29,6 +29,7 @@ def test_matches_huggingface(arch):
     torch.testing.assert_close(full_logits(target, ids), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_incremental_decoding_matches_full_pass():
     target = random_target("qwen3", seed=2)
     ids = list(range(5, 30))
@@ -83,6 +84,7 @@ def test_tap_features_are_layer_outputs():
     torch.testing.assert_close(out.taps[:, h:], out1.taps)  # order follows tap_layers, not layer order
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_ar_equals_huggingface_generate(arch):
     """Plain decoding through our engine gives HF generate()'s greedy tokens (an independent reference)."""

@@ -18,6 +18,7 @@ def test_accepted_lengths_by_hand():
     assert accepted_lengths(lp, np.array([2, 0, 0]), budgets) == [0] * 5  # the true token is outside the top-k
 
 
+@pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.parametrize("budget", [8, 16])
 def test_probe_accepts_what_decoding_accepts(budget):

@@ -5,6 +5,7 @@ import pytest
 
 
 
+@pytest.mark.slow
 def test_prompt_mix_is_deterministic_and_disjoint_from_evaluation():
     import importlib.util
 
@@ -34,6 +35,7 @@ def test_writing_prompts_are_distinct_deterministic_and_in_the_mix():
     assert not any(_shingles(p.messages[0]["content"]) & banned for p in mixed)
 
 
+@pytest.mark.slow
 def test_complete_prompts_cut_functions_after_their_docstring():
     import ast
 

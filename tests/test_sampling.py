@@ -80,6 +80,7 @@ CASES = [("ar", 1, SamplingParams(1.0)), ("dflash", 1, SamplingParams(1.0)), ("d
          ("ddtree", 20, SamplingParams(0.7, top_p=0.9, top_k=4)), ("ar", 1, SamplingParams(0.7, top_p=0.9, top_k=4))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,budget,params", CASES, ids=[f"{c[0]}-{c[1]}-T{c[2].temperature}" for c in CASES])
 def test_sampling_matches_target_distribution(pair, name, budget, params):
     target, drafter = pair
@@ -89,6 +90,7 @@ def test_sampling_matches_target_distribution(pair, name, budget, params):
     assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: {name} is not lossless"
 
 
+@pytest.mark.slow
 def test_biased_acceptance_rule_is_caught(pair):
     target, drafter = pair
     params = SamplingParams(1.0)
@@ -132,6 +134,7 @@ def test_greedy_argmax_kernel_gives_torch_argmax():
         qlinear.kernel().argmax_rows(torch.zeros(2, 0))
 
 
+@pytest.mark.slow
 def test_sampling_kernel_is_the_inverse_cdf_and_never_draws_a_zero():
     """sample_rows (the CPU draw behind choose at T > 0): the first index whose running double sum exceeds u x the
     row's total, never one of probability zero, at either end of u's range; a row with no mass is an error."""

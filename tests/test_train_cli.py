@@ -15,6 +15,7 @@ from conftest import id_prompts, new_drafter, run, train_config
 torch.set_num_threads(1)
 
 
+@pytest.mark.slow
 def test_cli_generate_fit_resume_export(tmp_path):
     from safetensors.torch import save_file
 
@@ -76,6 +77,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     assert main(fresh + ["--out", str(tmp_path / "bad"), "--layers", "3", "--layers-from-target", "3,1"]) == 2
 
 
+@pytest.mark.slow
 def test_export_never_replaces_a_drafter_silently(tiny_data, tmp_path, monkeypatch):
     from ddtree.train import cli
 

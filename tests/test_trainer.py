@@ -27,6 +27,7 @@ def test_resume_keeps_the_runs_evaluation_settings_unless_given():
     assert resume_config(saved, now).eval_ddtree_budget == now.eval_ddtree_budget  # no `given`: all runtime fields
 
 
+@pytest.mark.slow
 def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
     target, data = tiny_data
     train, heldout = read_sequences(data, "train"), read_sequences(data, "heldout")
