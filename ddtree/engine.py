@@ -280,8 +280,8 @@ class Decoder:
 
     def steps(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
               max_new_tokens: int = 256, stops=(), seed: int | None = None, trace: list | None = None):
-        """A generator: yields each step's committed tokens as they are committed (the prefill's one first),
-        returns (tokens, stats). stops: a stops.Stops, or the stop token ids alone (their reason: "eos").
+        """A generator that yields each step's committed tokens as they are committed (the prefill's one
+        first) and returns (tokens, stats). stops: a stops.Stops, or the stop token ids alone (their reason: "eos").
         trace: a list to append one record per decoding step to (the tree, the target's choices, the
         accepted path; see traces.py), or None. The time the consumer spends between yields is not counted.
         Bad input is refused here, before the first step."""
