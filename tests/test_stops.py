@@ -24,7 +24,7 @@ def setup():
     (prompt + plain greedy decoding): acceptance is deep and branchy, so stops land inside multi-token steps."""
     target, drafter = random_pair("llama", seed=11, num_draft_layers=2, block_size=8, init_scale=0.25)
     tok = char_tokenizer()
-    prompt = tok.encode("The cat")
+    prompt = tok.encode("Some text")
     greedy = Pair(target, drafter, tok, stop_ids=(1,)).generate(prompt, method="ar", max_new_tokens=MAX_NEW)
     assert len(greedy.token_ids) == MAX_NEW
     return target, drafter, tok, prompt, prompt + greedy.token_ids + [0] * 300
