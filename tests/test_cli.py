@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from ddtree.cli import main
+import ddtree
+from ddtree.cli import _unescape, main
 from ddtree.testing import char_tokenizer, random_pair, save_target
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
@@ -28,8 +29,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
-    import ddtree
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the untrained drafter's warning
         return ddtree.load(target=model_dir, device="cpu", dtype="float32")
@@ -65,8 +64,6 @@ def test_stop_escapes_and_stop_token_ids(model_dir, capsys):
     k = full["token_ids"].index(stop_id) + 1
     assert res["token_ids"] == full["token_ids"][:k] and res["stats"]["stop_reason"] == "stop_token"
     assert res["stats"]["stop_match"] == stop_id
-    from ddtree.cli import _unescape
-
     assert _unescape("a\\nb\\\\c\\td\\x") == "a\nb\\c\td\\x"
 
 

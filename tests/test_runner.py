@@ -1,15 +1,17 @@
 """The runner compare and the benchmark share, the one speedup definition, and the benchmark's presets."""
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from ddtree.api import Pair
-from ddtree.benchmark import PRESETS, estimate_seconds, summarize
+from ddtree.benchmark import PRESETS, build_plan, estimate_seconds, summarize
 from ddtree.compare import compare
 from ddtree.config import ConfigError
+from ddtree.datasets import load_prompt_items, load_prompts
 from ddtree.method_spec import MethodSpec, parse_methods
 from ddtree.runner import RunSettings, run_prompt, summarize_methods
-from ddtree.testing import random_pair
+from ddtree.testing import char_tokenizer, random_pair
 
 
 def rec(method, prompt_index, seconds, new_tokens, steps=None, dataset="d", temperature=0.0):
@@ -85,8 +87,6 @@ def test_presets_show_the_project_quickly_and_sweep_in_full():
 
 
 def test_compare_with_stops_cuts_every_method_alike_and_skips_the_peers():
-    from ddtree.testing import char_tokenizer
-
     target, drafter = random_pair("llama", seed=11, block_size=4, init_scale=0.25)
     tok = char_tokenizer()
     pair = Pair(target, drafter, tok, stop_ids=(1,))
@@ -103,11 +103,6 @@ def test_compare_with_stops_cuts_every_method_alike_and_skips_the_peers():
 
 
 def test_benchmark_jsonl_prompts_carry_their_stops(tmp_path):
-    import json
-
-    from ddtree.benchmark import build_plan
-    from ddtree.datasets import load_prompt_items, load_prompts
-
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "stop": "\n\n"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
     assert load_prompt_items(str(path), 5) == [("a", ("\n\n",)), ("b", ())] and load_prompts(str(path), 5) == ["a", "b"]

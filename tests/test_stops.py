@@ -9,6 +9,8 @@ import torch
 from conftest import plant_oracle
 from ddtree.api import Pair
 from ddtree.config import ConfigError
+from ddtree.drafter import untrained_drafter
+from ddtree.loading import load_tokenizer, resolve_target_dir
 from ddtree.stops import Stops
 from ddtree.testing import char_tokenizer, random_pair, random_target
 
@@ -205,8 +207,6 @@ class ScriptedTarget:
 
 @pytest.fixture(scope="module")
 def byte_level():
-    from ddtree.loading import load_tokenizer, resolve_target_dir
-
     tok = load_tokenizer(resolve_target_dir(None))
     script = tok.encode(SCRIPT_TEXT)
     assert any(tok.decode(script[:k]).endswith("\ufffd") for k in range(len(script)))  # characters do split
@@ -218,8 +218,6 @@ def byte_level():
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 @pytest.mark.parametrize("method", METHODS)
 def test_streamed_cjk_and_emoji_equal_the_generated_text(byte_level, method, temperature):
-    from ddtree.drafter import untrained_drafter
-
     tok, target, script = byte_level
     prompt = tok.encode("Say hi")
     scripted = ScriptedTarget(target, len(prompt), script)
