@@ -1,5 +1,6 @@
-"""The Python API: `ddtree.load()` gives a target/drafter pair; `pair.generate()` decodes with one method;
-`ddtree.compare()` runs several methods on the same prompts and checks them against plain decoding."""
+"""The Python API: `ddtree.load()` gives a target/drafter pair; `pair.generate()` decodes with one method,
+`pair.stream()` the same, handing out the text as it is committed; `ddtree.compare()` runs several methods on
+the same prompts and checks them against plain decoding."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import exact_blocks
 from .attention import Visibility
 from .checker import Verdict, check_tokens
 from .config import ConfigError, SamplingParams
@@ -16,7 +18,9 @@ from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
 from .method_spec import MethodSpec
+from .quant_target import quantize_target
 from .stats import GenerationStats
+from .stops import Stops, check_stop, check_stop_token_ids
 
 
 @dataclass
@@ -26,6 +30,34 @@ class GenerationResult:
     stats: GenerationStats
     prompt_ids: list[int] = field(default_factory=list)
     trace: list[dict] | None = None  # with trace=True: one record per decoding step (see traces.py)
+
+
+class TextStream:
+    """What pair.stream() returns: iterate over it for the text pieces as decoding steps commit them (held
+    back: an incomplete character, and a tail that a stop string could still cut away); after the loop,
+    `result` is the GenerationResult, whose text is the pieces joined. Iterable once."""
+
+    def __init__(self, steps, stops: Stops, finish):
+        self._steps, self._stops, self._finish = steps, stops, finish
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        if self._steps is None:
+            raise ConfigError("this stream has been iterated already; call pair.stream() again")
+        steps, self._steps = self._steps, None
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                tokens, stats = done.value
+                break
+            piece = self._stops.ready()
+            if piece:
+                yield piece
+        piece = self._stops.rest(tokens)
+        self.result = self._finish(tokens, stats)
+        if piece:
+            yield piece
 
 
 class Pair:
@@ -70,20 +102,31 @@ class Pair:
             if self.tokenizer is None:
                 raise ConfigError("this target has no tokenizer: pass the prompt as a list of token ids")
             if chat and getattr(self.tokenizer, "chat_template", None):
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-                return list(ids)
+                return self._chat_ids([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return self._chat_ids(prompt)
         # Token ids come as a list/tuple (or a 1-D tensor/array) of integers. Anything else that happens to be
         # iterable (bytes, a dict, a bool, a string's characters) is refused, not read as token ids.
         ids = prompt.tolist() if isinstance(prompt, (torch.Tensor, np.ndarray)) else prompt
         if not isinstance(ids, (list, tuple)) or not all(map(_is_token_id, ids)):
-            raise ConfigError(f"the prompt must be a string or a list of integer token ids, got "
+            raise ConfigError(f"the prompt must be a string or a list of integer token ids (or of chat messages), got "
                               f"{type(prompt).__name__} {_preview(prompt)}")
         if not ids:
             raise ConfigError("the prompt is empty: give a non-empty string or list of token ids")
         return [int(t) for t in ids]
+
+    def _chat_ids(self, messages) -> list[int]:
+        """A conversation [{"role": "user" | "assistant" | "system", "content": str}, ...] through the chat
+        template, ending with the prompt for the assistant's next answer."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError("a conversation (a list of messages) needs a tokenizer with a chat template; this "
+                              "target has none: pass the prompt as a string or as token ids")
+        if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+            raise ConfigError('each message must be {"role": str, "content": str}, got '
+                              f"{_preview(messages)}")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
@@ -99,16 +142,45 @@ class Pair:
 
     def generate(self, prompt, method: str | MethodSpec = "ddtree", budget: int | str | None = None,
                  block_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 max_new_tokens: int = 256, seed: int | None = None, chat: bool = True,
-                 trace: bool = False) -> GenerationResult:
+                 max_new_tokens: int = 256, seed: int | None = None, chat: bool = True, trace: bool = False,
+                 stop=None, stop_token_ids=None) -> GenerationResult:
         """method: 'ar', 'dflash', 'ddtree', 'ddtree:N' or 'ddtree:auto'; budget: a bare ddtree's budget
-        (None: method_spec.default_budget: `auto` on a CPU, 64 on a GPU). trace=True keeps a per-step tree trace in the result."""
+        (None: method_spec.default_budget: `auto` on a CPU, 64 on a GPU). trace=True keeps a per-step tree trace in the result.
+        prompt: a string, a list of token ids, or a conversation [{"role": ..., "content": ...}, ...].
+        stop: a string or list of strings; stop_token_ids: ids that end the generation beside the model's EOS.
+        The text ends before the first stop string (the stop is not in it); token_ids end with the token that
+        completed it. stats.stop_reason / stop_match say which stop ended it (see stops.py)."""
+        stream = self._stream(prompt, method, budget, block_size, temperature, top_p, top_k, max_new_tokens, seed,
+                              chat, trace, stop, stop_token_ids, live=False)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt, method: str | MethodSpec = "ddtree", budget: int | str | None = None,
+               block_size: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               max_new_tokens: int = 256, seed: int | None = None, chat: bool = True, trace: bool = False,
+               stop=None, stop_token_ids=None) -> TextStream:
+        """generate(), handing out the text as it is decoded: `for piece in pair.stream(...)`; the pieces join
+        to generate()'s text; afterwards the stream's `result` holds the GenerationResult (tokens, stats)."""
+        if self.tokenizer is None:
+            raise ConfigError("streaming hands out text, and this target has no tokenizer; use generate()")
+        return self._stream(prompt, method, budget, block_size, temperature, top_p, top_k, max_new_tokens, seed,
+                            chat, trace, stop, stop_token_ids, live=True)
+
+    def _stream(self, prompt, method, budget, block_size, temperature, top_p, top_k, max_new_tokens, seed, chat,
+                trace, stop, stop_token_ids, live: bool) -> TextStream:
         sampling = SamplingParams(temperature, top_p, top_k)
         strategy = self.method(method, budget, block_size)
+        stops = Stops(self.stop_ids, check_stop_token_ids(stop_token_ids, self.target.cfg.vocab_size),
+                      check_stop(stop), self._decode_fn(), live)
         ids = self.encode(prompt, chat)
         steps = [] if trace else None
-        tokens, stats = self.decoder.generate(ids, strategy, sampling, max_new_tokens, self.stop_ids, seed, steps)
-        return GenerationResult(tokens, self.decode(tokens), stats, ids, steps)
+        run = self.decoder.steps(ids, strategy, sampling, max_new_tokens, stops, seed, steps)
+        return TextStream(run, stops, lambda tokens, stats: GenerationResult(tokens, stops.finish(tokens), stats,
+                                                                             ids, steps))
+
+    def _decode_fn(self):
+        return None if self.tokenizer is None else self.decode
 
     @torch.inference_mode()
     def logits_after(self, prompt_ids: list[int], generated: list[int], every: bool = False) -> torch.Tensor:
@@ -166,12 +238,8 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     directory = resolve_target_dir(target)
     tgt = load_target(directory, dtype, device, attention_backend, backend)
     if gguf is not None:
-        from .quant_target import quantize_target
-
         quantize_target(tgt, gguf)
     elif source_gguf(target) is not None:
-        from . import exact_blocks
-
         exact_blocks.attach(tgt, source_gguf(target), directory)  # float32 CPU only: the same bits, fewer bytes
     tokenizer = load_tokenizer(directory)
     if draft is not None:

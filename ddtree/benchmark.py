@@ -34,9 +34,10 @@ from pathlib import Path
 
 import torch
 
+from . import api
 from .config import ConfigError, cli_int
 from .cost_cache import machine_name
-from .datasets import dataset_name, load_prompts
+from .datasets import dataset_name, load_prompt_items
 from .files import output_dir
 from .method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
@@ -150,16 +151,18 @@ def build_plan(args, pair, specs) -> list[dict]:
     groups = []
     for spec in args.datasets.split(","):
         name = dataset_name(spec)
-        prompts = load_prompts(spec, args.num_prompts)
+        items = load_prompt_items(spec, args.num_prompts)
         for temperature in parse_floats(args.temperatures, "--temperatures"):
-            for index, prompt in enumerate(prompts):
+            for index, (prompt, stop) in enumerate(items):
                 prompt_sha = hashlib.sha1(prompt.encode()).hexdigest()[:12]
+                peers_run = RunSettings(temperature=temperature, stop=stop).peers_run  # hf, llamacpp: greedy, no stops
                 slots = [dict(method=s.label, spec=s, key=record_key(
                     {**base, "dataset": name, "prompt_index": index, "prompt_sha": prompt_sha,
-                     "temperature": temperature, "seed": args.seed + index, "method": s.label}))
-                    for s in specs if not (s.peer and temperature > 0)]  # hf, llamacpp: greedy only
+                     "temperature": temperature, "seed": args.seed + index, "method": s.label,
+                     **({"stop": list(stop)} if stop else {})}))
+                    for s in specs if peers_run or not s.peer]
                 groups.append(dict(dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
-                                   prompt_sha=prompt_sha, seed=args.seed + index, slots=slots))
+                                   prompt_sha=prompt_sha, seed=args.seed + index, stop=stop, slots=slots))
     return groups
 
 
@@ -180,7 +183,7 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
     """Decode one prompt with every method (runner.run_prompt: ar first, greedy outputs checked against it),
     append the records (and with --traces their per-step traces) to the sinks."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
-                           trace=args.traces)
+                           trace=args.traces, stop=group["stop"])
     fields = dict(dataset=group["dataset"], temperature=group["temperature"], prompt_index=group["prompt_index"],
                   prompt_sha=group["prompt_sha"], seed=group["seed"], max_new_tokens=args.max_new_tokens,
                   top_p=args.top_p, top_k=args.top_k)
@@ -195,7 +198,7 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
         return tokens
 
     def on_record(rec):
-        rec.update(key=keys[rec["method"]], **fields, text=pair.decode(rec["token_ids"]), env=env,
+        rec.update(key=keys[rec["method"]], **fields, env=env,
                    finished_at=time.time())
         if rec["check"] == "error":
             shout_error(rec)
@@ -377,8 +380,6 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from tqdm import tqdm
 
-    from . import api
-
     rank, world = init_distributed(args)
     args.threads = args.threads or default_threads(world)
     torch.set_num_threads(args.threads)
@@ -406,8 +407,8 @@ def _main(args) -> int:
     peers = Peers(pair)
     started = time.perf_counter()
     if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
-        warm = run_prompt(pair, todo[0]["prompt"], specs, RunSettings(WARMUP_TOKENS, block_size=args.block_size),
-                          peers=peers)
+        warm = run_prompt(pair, todo[0]["prompt"], specs, RunSettings(WARMUP_TOKENS, block_size=args.block_size,
+                                                                       stop=todo[0]["stop"]), peers=peers)
         if rank == 0:
             say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
                 f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")

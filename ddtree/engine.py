@@ -6,7 +6,8 @@ by name: it calls method.prepare() once, then propose() and observe() each step.
     loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
           logits = target(tree, tree mask)     # ONE pass over the N nodes
           path, bonus = walk(tree, choose(logits))
-          commit path's K/V (+ queue the drafter's context: its tap features); emit path tokens + bonus
+          commit path's K/V (+ queue the drafter's context: its tap features); emit path tokens + bonus,
+          cut after the first token that ends the generation (an EOS / stop token, a stop string: stops.py)
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .cost_cache import verify_costs
 from .method_spec import MethodSpec, check_budget
 from .sampling import argmax, choose
 from .stats import GenerationStats, StageTimer
+from .stops import Stops
 from .traces import step_record
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
 
@@ -281,14 +283,31 @@ class Decoder:
                 model.check_fresh()
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 256, stop_ids=(), seed: int | None = None,
+                 max_new_tokens: int = 256, stops=(), seed: int | None = None,
                  trace: list | None = None) -> tuple[list[int], GenerationStats]:
-        """trace: a list to append one record per decoding step to (the tree, the target's choices, the
-        accepted path; see traces.py), or None."""
-        target, drafter, cfg = self.target, self.drafter, self.target.cfg
+        """Decode to the end: (tokens, stats). See steps()."""
+        steps = self.steps(prompt_ids, method, sampling, max_new_tokens, stops, seed, trace)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
+              max_new_tokens: int = 256, stops=(), seed: int | None = None, trace: list | None = None):
+        """A generator that yields each step's committed tokens as they are committed (the prefill's one
+        first) and returns (tokens, stats). stops: a stops.Stops, or the stop token ids alone (their reason: "eos").
+        trace: a list to append one record per decoding step to (the tree, the target's choices, the
+        accepted path; see traces.py), or None. The time the consumer spends between yields is not counted.
+        Bad input is refused here, before the first step."""
         self._validate(prompt_ids, method, max_new_tokens, seed)
+        stops = stops if isinstance(stops, Stops) else Stops(eos=stops)
+        return self._steps(prompt_ids, method, sampling, max_new_tokens, stops, seed, trace)
+
+    def _steps(self, prompt_ids, method, sampling, max_new_tokens, stops, seed, trace):
+        target, drafter, cfg = self.target, self.drafter, self.target.cfg
         method.prepare(target, drafter, sampling)
-        device, stop = target.device, set(stop_ids)
+        device = target.device
         generator = None
         if not sampling.greedy and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
@@ -309,15 +328,24 @@ class Decoder:
             out = target(ids, torch.arange(m, device=device), tcache, Visibility.causal(0, m, device), taps,
                          last_only=True)
             tcache.commit(m)
-            bonus = int(choose(out.logits, sampling, generator)[0])
+            emitted = [int(choose(out.logits, sampling, generator)[0])]
             if dcache is not None:
                 drafter.add_context(dcache, out.taps)
         stats.time_to_first_token = time.perf_counter() - t0
-        tokens = [bonus]
+        tokens = []
 
-        while not (stop_reason := _stop_reason(tokens, stop, max_new_tokens, tcache.room)):
+        while True:
+            # commit the step's tokens (the accepted drafts and the bonus), cut after the token that ends the
+            # generation (stops.cut: token by token, as plain decoding would) or at max_new_tokens
+            kept = emitted[:stops.cut(emitted[:max_new_tokens - len(tokens)])]
+            tokens.extend(kept)
+            paused = time.perf_counter()
+            yield kept
+            t0 += time.perf_counter() - paused
+            if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
+                break
             start = tcache.length
-            tree = method.propose(drafter, dcache, torch.tensor([bonus], device=device), tcache.room, timer)
+            tree = method.propose(drafter, dcache, torch.tensor(tokens[-1:], device=device), tcache.room, timer)
             with timer("tree_compile"):
                 ancestors = None
                 if tree.size > 1:
@@ -339,23 +367,16 @@ class Decoder:
                 trace.append(step_record(tree, choices, path))
             stats.acceptance_lengths.append(n)
             stats.tree_sizes.append(tree.size)
-            # emit the accepted drafts and the bonus token, cut after a stop token or at max_new_tokens
             emitted = [choices[i] for i in path]
-            cut = next((j + 1 for j, tok in enumerate(emitted) if tok in stop), len(emitted))
-            tokens.extend(emitted[:cut])
-            del tokens[max_new_tokens:]
-            bonus = tokens[-1]
 
-        stats.stop_reason = stop_reason
+        stats.stop_reason, stats.stop_match = stop_reason, stops.match
         stats.seconds = time.perf_counter() - t0
         stats.new_tokens = len(tokens)
         stats.stage_seconds = dict(timer.seconds)
         return tokens, stats
 
 
-def _stop_reason(tokens: list[int], stop: set[int], max_new_tokens: int, room: int) -> str:
-    if tokens[-1] in stop:
-        return "eos"
-    if len(tokens) >= max_new_tokens:
+def _limit_reason(new_tokens: int, max_new_tokens: int, room: int) -> str:
+    if new_tokens >= max_new_tokens:
         return "max_new_tokens"
     return "context_limit" if room < 1 else ""

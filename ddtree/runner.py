@@ -25,6 +25,13 @@ class RunSettings:
     block_size: int | None = None
     chat: bool = True
     trace: bool = False  # keep per-step tree traces in the records ("trace")
+    stop: tuple[str, ...] = ()  # stop strings and stop token ids (stops.py); peers run without them, so skip them
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def peers_run(self) -> bool:
+        """Whether peer methods (other programs' plain decoding) run: greedy, without stops."""
+        return self.temperature == 0 and not self.stop and not self.stop_token_ids
 
 
 def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, seed: int = 0, peers=None,
@@ -32,7 +39,7 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
     """Decode `prompt` with every spec in order, back to back, `ar` first (its tokens are the reference), and
     return one record per method: the stats, `method` (the label, e.g. ddtree:16), `method_name`, `token_ids`
     and `check`: reference (ar) / identical / tie_flip / error (see checker.py) / skipped (T > 0).
-    Peer methods (hf, llamacpp: other programs, run by `peers`, a peers.Peers) run at T=0 only; llama.cpp's
+    Peer methods (hf, llamacpp: other programs, run by `peers`, a peers.Peers) run at T=0 without stops only; llama.cpp's
     arithmetic is not ours, so its check is `agreement` (the share of ar's tokens it reproduces before the
     first difference) and never an error. tamper(spec, tokens, record) -> tokens
     may alter a method's tokens before the check (the benchmark's self-test of the checker); on_record(record)
@@ -42,14 +49,15 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
     records, reference = [], None
     for spec in specs:
         if spec.peer:
-            if settings.temperature > 0:
-                continue  # greedy only
+            if not settings.peers_run:
+                continue
             res = peers.generate(spec, prompt, settings.max_new_tokens, settings.chat)
         else:
             res = pair.generate(prompt, method=spec, block_size=settings.block_size,
                                 temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                                 max_new_tokens=settings.max_new_tokens, seed=seed, chat=settings.chat,
-                                trace=settings.trace)
+                                trace=settings.trace, stop=list(settings.stop),
+                                stop_token_ids=list(settings.stop_token_ids))
         tokens = list(res.token_ids)
         rec = {**res.stats.as_dict(), "method": spec.label, "method_name": spec.name}  # the label over the
         if tamper is not None:  # stats' bare name
@@ -64,7 +72,7 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         else:
             verdict = pair.check(reference[0], reference[1], tokens)
             rec["check"], rec["check_detail"] = verdict.kind, verdict.describe()
-        rec["token_ids"] = tokens
+        rec["token_ids"], rec["text"] = tokens, res.text  # the text: cut before a stop string (stops.py)
         if res.trace is not None:
             rec["trace"] = res.trace
         records.append(rec)

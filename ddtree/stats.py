@@ -44,7 +44,8 @@ class GenerationStats:
     seconds: float = 0.0  # whole generate() call: prefill + decode
     time_to_first_token: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    stop_reason: str = ""  # "eos", "max_new_tokens" or "context_limit"
+    stop_reason: str = ""  # "eos", "stop_token", "stop_string", "max_new_tokens" or "context_limit"
+    stop_match: str | int | None = None  # the stop string or stop token id that matched (see stops.py)
     attention_backend: str = ""
     backend: str = ""  # the target backend: "own", or "hf:<the model's attention>" (see loading.choose_backend)
     drafter: str = ""

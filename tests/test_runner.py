@@ -1,14 +1,17 @@
 """The runner compare and the benchmark share, the one speedup definition, and the benchmark's presets."""
+import json
 from types import SimpleNamespace
 
 import pytest
 
 from ddtree.api import Pair
-from ddtree.benchmark import PRESETS, estimate_seconds, summarize
+from ddtree.benchmark import PRESETS, build_plan, estimate_seconds, summarize
 from ddtree.compare import compare
+from ddtree.config import ConfigError
+from ddtree.datasets import load_prompt_items, load_prompts
 from ddtree.method_spec import MethodSpec, parse_methods
 from ddtree.runner import RunSettings, run_prompt, summarize_methods
-from ddtree.testing import random_pair
+from ddtree.testing import char_tokenizer, random_pair
 
 
 def rec(method, prompt_index, seconds, new_tokens, steps=None, dataset="d", temperature=0.0):
@@ -81,3 +84,35 @@ def test_presets_show_the_project_quickly_and_sweep_in_full():
     fixed = lambda p: [s.budget for s in parse_methods("ddtree", p["budgets"]) if isinstance(s.budget, int)]  # noqa: E731
     assert len(fixed(quick)) >= 2 and max(fixed(quick)) < 64 <= 256 <= max(fixed(full))  # the sweep: --full
     assert quick["num_prompts"] * quick["max_new_tokens"] < full["num_prompts"] * full["max_new_tokens"]
+
+
+def test_compare_with_stops_cuts_every_method_alike_and_skips_the_peers():
+    target, drafter = random_pair("llama", seed=11, block_size=4, init_scale=0.25)
+    tok = char_tokenizer()
+    pair = Pair(target, drafter, tok, stop_ids=(1,))
+    prompt = tok.encode("The cat")
+    full = pair.generate(prompt, method="ar", max_new_tokens=30).text
+    stop = full[12:14]
+    result = compare(pair, [prompt], methods=["hf", "dflash", "ddtree:4"], max_new_tokens=30, stop=[stop, "~"],
+                     show=False)
+    assert [r["method"] for r in result.records] == ["ar", "dflash", "ddtree:4"]  # hf runs without stops: not run
+    assert {r["text"] for r in result.records} == {full[:full.find(stop)]} and result.ok
+    assert all(r["stop_reason"] == "stop_string" and r["stop_match"] == stop for r in result.records)
+    with pytest.raises(ConfigError, match="empty string"):
+        compare(pair, [prompt], methods=["ar"], stop=[""], show=False)
+
+
+def test_benchmark_jsonl_prompts_carry_their_stops(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "stop": "\n\n"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    assert load_prompt_items(str(path), 5) == [("a", ("\n\n",)), ("b", ())] and load_prompts(str(path), 5) == ["a", "b"]
+    target, drafter = random_pair("llama", seed=9, block_size=4)
+    args = SimpleNamespace(target=None, threads=1, max_new_tokens=8, top_p=1.0, top_k=0, block_size=None,
+                           attention="auto", inject_mismatch=False, traces=False, datasets=str(path),
+                           num_prompts=2, temperatures="0", seed=0)
+    groups = build_plan(args, Pair(target, drafter, None), parse_methods("hf,ddtree:4"))
+    assert [g["stop"] for g in groups] == [("\n\n",), ()]
+    assert [[s["method"] for s in g["slots"]] for g in groups] == [["ar", "ddtree:4"], ["ar", "hf", "ddtree:4"]]
+    path.write_text(json.dumps({"prompt": "a", "stop": ["ok", 3]}) + "\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: stop must be a string or a list of strings"):
+        load_prompt_items(str(path), 1)
