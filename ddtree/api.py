@@ -75,9 +75,9 @@ class Pair:
         """Re-make the models' copies of their weights after writes torch does not count (`w.data[...] = x`,
         `w.data.mul_()`, a numpy view's elements); generate() refuses to decode stale copies where it sees them.
         In-place torch ops, load_state_dict and assigning parameters need no call."""
-        for model in (self.target, self.drafter):
-            if hasattr(model, "refresh"):
-                model.refresh()
+        self.target.refresh()
+        if self.drafter is not None:
+            self.drafter.refresh()
         return self
 
     @property

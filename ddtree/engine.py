@@ -35,7 +35,6 @@ class Method:
     """What one method decides: the tree each step verifies. A method is self-contained: whatever it learns
     across steps and prompts (the adaptive budget's cost model and trust in the drafter) is its own state; the
     loop only calls prepare() once per generation, then propose() and observe() each step."""
-    uses_drafter = True
     block_size: int | None = None
 
     def __init__(self, spec: MethodSpec):
@@ -44,6 +43,10 @@ class Method:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.spec.info.uses_drafter  # the method registry's (method_spec.METHODS)
 
     def max_nodes(self) -> int:
         """Largest tree (root included) this method verifies in one pass."""
@@ -78,7 +81,6 @@ class Method:
 
 class AR(Method):
     """Plain autoregressive decoding: the tree is the root alone."""
-    uses_drafter = False
 
     @classmethod
     def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "AR":
@@ -278,9 +280,9 @@ class Decoder:
         if method.uses_drafter and self.drafter is None:
             raise ConfigError(f"method {method.name!r} needs a drafter")
         check_budget(method.spec.budget, self.target.device)
-        for model in (self.target, self.drafter if method.uses_drafter else None):
-            if hasattr(model, "check_fresh"):  # the own-code models; the transformers backend keeps no copies
-                model.check_fresh()
+        self.target.check_fresh()
+        if method.uses_drafter:
+            self.drafter.check_fresh()
 
     def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
                  max_new_tokens: int = 256, stops=(), seed: int | None = None,

@@ -151,6 +151,12 @@ class HFTarget(nn.Module):
     def describe(self) -> dict:
         return {}  # shape, dtype, device and backend say it all
 
+    def refresh(self) -> "HFTarget":
+        return self  # it keeps no copies of the weights: the model's own are the ones it runs
+
+    def check_fresh(self) -> None:
+        pass
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: TreeCache, vis: Visibility,
                 tap_layers: tuple[int, ...] = (), last_only: bool = False) -> TargetOutput:

@@ -64,6 +64,12 @@ class Target(Protocol):
     def lazy_logits(self, rows: int) -> bool:
         """Should a verify of `rows` nodes return RowLogits (forward(row_logits=True))?"""
 
+    def refresh(self) -> "Target":
+        """Re-make any copies of its weights from their current values (after writes torch does not count)."""
+
+    def check_fresh(self) -> None:
+        """A ConfigError where its copies of the weights are known to be stale (refresh() mends it)."""
+
     def describe(self) -> dict:
         """What, beyond its shape, dtype and device, sets the cost of its passes: the fast paths it runs
         (part of the verify-cost curve's key). Empty where nothing does."""
