@@ -9,16 +9,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import exact_blocks
 from .attention import Visibility
 from .checker import Verdict, check_tokens
-from .config import ConfigError, SamplingParams
+from .config import CPU_KERNELS, ConfigError, SamplingParams
+from .cpu.runtime import attach, cpu_target
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
 from .method_spec import MethodSpec
-from .quant_target import quantize_target
 from .stats import GenerationStats
 from .stops import Stops, check_stop, check_stop_token_ids
 
@@ -64,6 +63,8 @@ class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
     def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None):
+        # on a float32 CPU both run inside the CPU runtime (ddtree/cpu/runtime.py), built once here or at load
+        target, drafter = attach(target, drafter)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)
@@ -224,23 +225,32 @@ def check_quant(quant, target, device, dtype) -> Path | None:
 
 
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
-         backend: str = "auto", quant: str | None = None) -> Pair:
+         backend: str = "auto", quant: str | None = None, cpu_kernel: str = "auto", gguf_blocks: bool = True) -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
-    with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on CUDA and on
-    CPUs with AMX, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
+    with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
+    CUDA and on CPUs with AMX, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
-    which ran. quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (CPU, float32
-    activations; the same model as the float one, weights read at 5-8.5 bits; see ddtree/quant_target.py)."""
+    which ran. The arithmetic of a float32 CPU target (the CPU runtime, ddtree/cpu/runtime.py):
+    quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (float32 activations;
+    the same model as the float one, weights read at 5-8.5 bits; see ddtree/cpu/quant_target.py).
+    cpu_kernel: "auto" (the CPU's build of the C++ kernels), "avx2", "avx512", or "off" (torch's matmuls only:
+    the reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it.
+    gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
+    are exactly its weights (the same bits, fewer bytes; ddtree/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
+    overrides True."""
+    if cpu_kernel not in CPU_KERNELS:
+        raise ConfigError(f"unknown cpu_kernel {cpu_kernel!r}; choose one of {', '.join(CPU_KERNELS)}")
+    if not isinstance(gguf_blocks, bool):
+        raise ConfigError(f"gguf_blocks must be True or False, got {gguf_blocks!r}")
     gguf = check_quant(quant, target, device, dtype)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
-    tgt = load_target(directory, dtype, device, attention_backend, backend)
-    if gguf is not None:
-        quantize_target(tgt, gguf)
-    elif source_gguf(target) is not None:
-        exact_blocks.attach(tgt, source_gguf(target), directory)  # float32 CPU only: the same bits, fewer bytes
+    source = source_gguf(target)
+    tgt = cpu_target(load_target(directory, dtype, device, attention_backend, backend), cpu_kernel,
+                     quant_gguf=gguf, source_gguf=source, conversion=directory,
+                     gguf_blocks=gguf_blocks)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)
@@ -253,5 +263,4 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
     name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
-    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source_gguf(target))
-
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import api
-from .config import ConfigError, cli_int
+from .config import ConfigError, add_arithmetic_args, cli_int
 from .cost_cache import machine_name
 from .datasets import dataset_name, load_prompt_items
 from .files import output_dir
@@ -93,6 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
     p.add_argument("--quant", choices=["gguf"],
                    help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
+    add_arithmetic_args(p)
     p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
@@ -387,7 +388,8 @@ def _main(args) -> int:
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
-    pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant)
+    pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant,
+                    cpu_kernel=args.cpu_kernel, gguf_blocks=not args.no_gguf_blocks)
     if rank == 0:
         barrier(world)
     env = environment(pair, args.threads, world)

@@ -7,7 +7,7 @@ import sys
 
 from . import api
 from .compare import compare as run_compare
-from .config import ConfigError
+from .config import ConfigError, add_arithmetic_args
 from .loading import resolve_device
 from .method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
 from .stops import check_stop
@@ -23,6 +23,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="attention backend (default: triton on CUDA, sdpa elsewhere)")
     p.add_argument("--quant", choices=["gguf"],
                    help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
+    add_arithmetic_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "own", "hf"],
                    help="target backend: own-code model (llama/qwen2/qwen3/mistral) or any Hugging Face causal LM "
                         "(default: own where it covers the architecture, else hf)")
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         stops = dict(stop=list(check_stop(args.stop)), stop_token_ids=args.stop_token_id)
         if args.command == "generate" and args.stream and args.json:
             raise ConfigError("--stream prints text as it comes and --json one object at the end: choose one")
-        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant)
+        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant,
+                        args.cpu_kernel, not args.no_gguf_blocks)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, **stops)
         if args.command == "chat":

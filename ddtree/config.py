@@ -34,6 +34,19 @@ def check_number(name: str, value) -> float:
     return float(value)
 
 
+CPU_KERNELS = ("auto", "avx2", "avx512", "off")  # load(cpu_kernel=...): the CPU kernels' build, or none
+
+
+def add_arithmetic_args(p: argparse.ArgumentParser) -> None:
+    """The CPU runtime's arithmetic choices as command-line flags (load()'s cpu_kernel and gguf_blocks)."""
+    p.add_argument("--cpu-kernel", default="auto", choices=CPU_KERNELS,
+                   help="the CPU kernels' build: auto (this CPU's), avx2, avx512, or off (torch's matmuls only: the "
+                        "reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it")
+    p.add_argument("--no-gguf-blocks", action="store_true",
+                   help="a float target converted from a GGUF reads only its float weights, not the file's exact "
+                        "blocks (the same bits, more bytes; to compare with llama.cpp F32)")
+
+
 def cli_int(low: int):
     """argparse type: an integer >= low (e.g. --threads -1 is refused with a usage error, not a traceback)."""
     def parse(text: str) -> int:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_stack
+from .cpu import stack as cpu_stack
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from .cache import cache_root, digest_json, notice, sweep, write_bytes, write_error
 
 FORMAT = 9  # bump when calibrate() measures differently or the passes change: older files then miss
-# 2: the C++ decoder layers (ddtree/cpu_stack.py) made CPU passes faster, and not by one factor
+# 2: the C++ decoder layers (ddtree/cpu/stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
 # 5: the draft pass timed at every length (budget="auto" drafts only as deep as its trees go)

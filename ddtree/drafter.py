@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import cpu_stack, qlinear
 from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig, read_config
 from .kv_cache import ContextCache, KVCache
-from .layers import DecoderLayer, RMSNorm, Rotary, linear
+from .layers import DecoderLayer, RMSNorm, Rotary
 from .loading import check_shapes, read_safetensors
 
 WEIGHTS_NAME = "model.safetensors"
@@ -187,24 +186,13 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
-        # (a cpu_stack.WeightsWatch of the weights, the C++ layer stack built from them, a compact copy of the
-        # reduced head where exact (cpu_stack.compact_copy), the stack again where it has the context pass too)
-        self._stack = (None, None, None, None)
 
     def refresh(self) -> "DFlashDrafter":
-        """Re-make the copies of the weights from their current values (see TargetModel.refresh)."""
-        self._stack = (None, None, None, None)
+        """Nothing to re-make: the reference keeps no copies of its weights (the CPU runtime's CPUDrafter does)."""
         return self
 
     def check_fresh(self) -> None:
-        """A ConfigError where the weights were written behind torch's back since the stack copied them."""
-        watch = self._stack[0]
-        if watch is not None and not watch.changed() and watch.stale():
-            raise ConfigError(cpu_stack.STALE)
-
-    def _apply(self, fn, *args, **kwargs):
-        self._stack = (None, None, None, None)  # .to() may put new Parameter objects in place unregistered
-        return super()._apply(fn, *args, **kwargs)
+        """The reference keeps no copies that could go stale."""
 
     # --- binding to the target --------------------------------------------------------------------------
     def bind(self, target) -> "DFlashDrafter":
@@ -231,80 +219,55 @@ class DFlashDrafter(nn.Module):
     def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
         """Commit context for the next n tokens: features [n, taps * H] from the target's tap layers. A
         ContextCache (new_cache) queues them for the next draft(), which computes all queued rows in one pass:
-        steps that do not draft (budget="auto" declining on a slow verify) then cost the drafter nothing. Any other cache gets them now."""
+        steps that do not draft (budget="auto" declining on a slow verify) then cost the drafter nothing. Any
+        other cache gets them now."""
         if isinstance(cache, ContextCache):
             cache.pending.append(features)
         else:
-            self.cpu_stack()  # brings its copies up to date (the context pass below)
-            self._compute_context(cache, features)
+            self.context_pass(cache, features)
 
     def flush_context(self, cache: KVCache) -> None:
         """Compute the context that add_context queued (draft() does this first)."""
-        self.cpu_stack()
-        self._flush(cache)
-
-    def _flush(self, cache: KVCache) -> None:
-        """flush_context() with the copies already checked by the caller (cpu_stack())."""
-        if isinstance(cache, ContextCache) and cache.pending:
-            features = cache.pending[0] if len(cache.pending) == 1 else torch.cat(cache.pending)
-            cache.pending.clear()
-            self._compute_context(cache, features)
+        if isinstance(cache, ContextCache) and (features := cache.take_pending()) is not None:
+            self.context_pass(cache, features)
 
     @torch.inference_mode()
-    def _compute_context(self, cache: KVCache, features: torch.Tensor) -> None:
+    def context_pass(self, cache: KVCache, features: torch.Tensor) -> None:
+        """Project features [n, taps * H] to every layer's context K/V at the next n cache rows and commit them."""
         n = features.shape[0]
-        positions = torch.arange(cache.length, cache.length + n, device=features.device)
-        cos, sin = self.rotary(positions, features.dtype)
-        stack = self._stack[3]
-        if stack is not None and features.dim() == 2 and features.dtype == torch.float32 and n <= cpu_stack.MAX_ROWS:
-            # one C++ call instead of ~25 small torch ops, whose dispatch costs more than their arithmetic
-            stack.context(features, cos, sin, cache.k, cache.v, cache.length)
-        else:
-            ctx = self.hidden_norm(self.fc(features))  # [n, H]
-            for i, layer in enumerate(self.layers):
-                cache.write(i, *layer.self_attn.key_value(ctx, cos, sin))
+        cos, sin = self.rotary(torch.arange(cache.length, cache.length + n, device=features.device), features.dtype)
+        ctx = self.hidden_norm(self.fc(features))  # [n, H]
+        for i, layer in enumerate(self.layers):
+            cache.write(i, *layer.self_attn.key_value(ctx, cos, sin))
         cache.commit(n)
 
     @torch.inference_mode()
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """One pass over [bonus, MASK x (length - 1)] at positions cache.length + [0, length).
         bonus: LongTensor [1]. Returns logits [length - 1, V] for block positions 1..length-1."""
-        stack = self.cpu_stack()  # once per draft: are its copies still the weights'?
-        self._flush(cache)
+        self.flush_context(cache)
+        h, cos, sin, visibility = self.block_inputs(cache, bonus, length)
+        return self.logits(self.norm(self.block_layers(h, cos, sin, visibility, cache)[1:]))
+
+    def block_inputs(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None):
+        """The block's embeddings h [B, H], cos / sin [B, D] at its positions, and per layer its Visibility."""
         length = length or self.block_size
         block = torch.full((length,), self.cfg.mask_token_id, dtype=torch.long, device=bonus.device)
         block[:1] = bonus
         h = self.target.embed(block)  # [B, H]
         positions = torch.arange(cache.length, cache.length + length, device=h.device)
         cos, sin = self.rotary(positions, h.dtype)
+        return h, cos, sin, self._visibility(positions, cache.length)
+
+    def block_layers(self, h, cos, sin, visibility: list[Visibility], cache: KVCache) -> torch.Tensor:
+        """The draft layers over the block h [B, H] -> [B, H]; its K/V are written as pending rows after the
+        context: dropped, never committed."""
         backend = self.attention_backend  # resolved at load
-        visibility = self._visibility(positions, cache.length)
-        if len({id(v) for v in visibility}) == 1 and cpu_stack.usable(stack, length, backend, visibility[0]):
-            h, _ = stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
-            head = self._stack[2]
-            hidden = qlinear.kernel().rms_norm(h[1:], self.norm.weight, self.norm.eps)  # [length - 1, H]
-            return self.logits(hidden) if head is None else cpu_stack.compact_linear(hidden, head)
         for i, layer in enumerate(self.layers):
-            # the block's K/V are written as pending rows after the context: dropped, never committed
             vis = visibility[i]
             how = backend if vis.past is None else "sdpa"  # the Triton kernel sees the whole past
             h = layer(h, cos, sin, lambda q, k, v, i=i, vis=vis, how=how: attend(q, *cache.write(i, k, v), vis, how))
-        return self.logits(self.norm(h[1:]))
-
-    def cpu_stack(self):
-        """The draft layers as one C++ call (ddtree/cpu_stack.py) on float32 CPUs, else None. It holds copies of
-        the q/k/v and gate/up weights concatenated (8-bit blocks or bfloat16 where exact: cpu_stack.compact_copy), so
-        it is rebuilt whenever a weight changes (an optimizer step in training's evaluation, a load, .to()):
-        cpu_stack.WeightsWatch, asked on every draft."""
-        watch = self._stack[0]
-        if watch is None or watch.changed():
-            stack = cpu_stack.build(self.cfg.model, self.layers)
-            context = stack is not None and cpu_stack.add_context(stack, self.fc.weight, self.hidden_norm.weight,
-                                                                  self.layers)
-            # the reduced head as 8-bit blocks or bfloat16 where exact (the shipped drafter's): fewer bytes, same bits
-            head = cpu_stack.compact_copy(self.lm_head.weight) if stack is not None and self.cfg.reduced_vocab else None
-            self._stack = (cpu_stack.WeightsWatch(self.parameters), stack, head, stack if context else None)
-        return self._stack[1]
+        return h
 
     def _visibility(self, positions: torch.Tensor, past_len: int) -> list[Visibility]:
         """Per draft layer, what the block (at `positions` [B]) sees of [context (positions 0..past_len-1) ; block].
@@ -328,7 +291,7 @@ class DFlashDrafter(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits over the draft vocabulary [N, draft_vocab] (the target's
         vocabulary and LM head unless the drafter has a reduced one)."""
-        return linear(hidden, self.lm_head) if self.cfg.reduced_vocab else self.target.logits(hidden)
+        return self.lm_head(hidden) if self.cfg.reduced_vocab else self.target.logits(hidden)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids (any shape) -> the target's token ids."""

@@ -7,7 +7,7 @@ import time
 import torch
 
 from .api import GenerationResult
-from .quant_target import dequantized_state
+from .cpu.quant_target import dequantized_state
 from .stats import GenerationStats
 
 

@@ -54,6 +54,14 @@ class ContextCache(KVCache):
         super().__init__(*args, **kwargs)
         self.pending: list[torch.Tensor] = []  # [n_i, taps * hidden] each, in order
 
+    def take_pending(self) -> torch.Tensor | None:
+        """The queued features [sum n_i, taps * hidden] in order, now no longer queued; None when none are."""
+        if not self.pending:
+            return None
+        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        self.pending.clear()
+        return features
+
     def reset(self) -> None:
         super().reset()
         self.pending.clear()

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import qlinear
 from .config import ModelConfig
 
 
@@ -83,47 +82,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# Skinny float32 CPU products (2 to this many rows: verifies, draft blocks) run through kernels/qlinear.cpp,
-# which is faster than torch's GEMM at these shapes (docs/cpu-speed.md) and sums each output in one order
-# whatever the number of rows. DDTREE_CPU_KERNEL=0 keeps torch everywhere (the reference).
-SKINNY_MAX_ROWS = 64
-
-
-def project(x: torch.Tensor, weight, weight_t: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x [N, in], weight [out, in], bias) -> [N, out]. A single row with weight_t (weight's contiguous
-    transpose [in, out], kept by ddtree.fused on float32 CPUs) runs as x @ weight_t on one thread: for out > in
-    that GEMV streams the weight faster than F.linear's. On more threads that row goes to the CPU kernel
-    (above) instead, which splits the rows of the weight over the threads where torch's GEMV does not. 2-64 float32 CPU rows go to the kernel where it
-    is available, others to F.linear. A quantized weight (ddtree.qlinear.QWeight, not a tensor) runs its own
-    kernel."""
-    rows = x.shape[0]
-    if not isinstance(weight, torch.Tensor):
-        y = weight.matmul(x)
-    elif weight_t is not None and rows == 1 and torch.get_num_threads() == 1:
-        y = x @ weight_t
-    elif (1 < rows or weight_t is not None) and rows <= SKINNY_MAX_ROWS and _skinny(x, weight):
-        y = qlinear.kernel().f32_linear(x.contiguous(), weight)
-    else:
-        return F.linear(x, weight, bias)
-    return y if bias is None else y + bias
-
-
-def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """May this product take the float32 CPU kernel? Inference only (the kernel has no backward)."""
-    if weight.dtype != torch.float32 or x.dtype != torch.float32 or weight.device.type != "cpu" or x.dim() != 2:
-        return False
-    if weight.shape[1] % 64 or not weight.is_contiguous():
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    return qlinear.cpu_kernel_available()
-
-
-def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """An nn.Linear (or a ddtree.qlinear.QLinear) applied through project()."""
-    return project(x, layer.weight, None, layer.bias)
-
-
 class Attention(nn.Module):
     """Projections of one attention layer. The attention itself happens in ddtree.attention (the seam)."""
 
@@ -140,30 +98,28 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # Set by ddtree.fused.fuse_layer for inference: one [(Hq + 2 Hkv) * D, H] weight whose row slices ARE
-        # q/k/v_proj's weights (views, so the state dict is unchanged). None: three separate projections.
-        self.qkv_weight: torch.Tensor | None = None
-        self.qkv_bias: torch.Tensor | None = None
-        self.qkv_t: torch.Tensor | None = None  # its contiguous transpose [H, out] for 1-row passes, or None
+        # Set by ddtree.fused.fuse_layer for inference: one linear [H -> (Hq + 2 Hkv) * D] whose weight's row
+        # slices ARE q/k/v_proj's weights (views, so the state dict is unchanged). None: three projections.
+        self.qkv_proj: nn.Module | None = None
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = linear(x, self.q_proj).view(x.shape[0], self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q.transpose(0, 1), cos, sin)  # [Hq, N, D]
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        k = linear(x, self.k_proj).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        v = linear(x, self.v_proj).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)  # [Hkv, N, D] each
 
     def fused_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """query() and key_value() from one matmul (weights fused by ddtree.fused), RoPE applied to the query and
         key heads together. x [N, H] -> q [Hq, N, D], k, v [Hkv, N, D]."""
         n, hq, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = project(x, self.qkv_weight, self.qkv_t, self.qkv_bias).view(n, hq + 2 * hkv, d)
+        qkv = self.qkv_proj(x).view(n, hq + 2 * hkv, d)
         q, k, v = qkv.split((hq, hkv, hkv), dim=1)
         if self.q_norm is not None:  # per-head norms differ for q and k, so they stay apart (Qwen3)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
@@ -174,7 +130,7 @@ class Attention(nn.Module):
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         # attn [Hq, N, D] -> [N, hidden]
-        return linear(attn.transpose(0, 1).reshape(attn.shape[1], -1), self.o_proj)
+        return self.o_proj(attn.transpose(0, 1).reshape(attn.shape[1], -1))
 
 
 class MLP(nn.Module):
@@ -183,14 +139,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # [2 I, H] views of gate/up_proj (ddtree.fused), or None
-        self.gate_up_t: torch.Tensor | None = None  # its contiguous transpose [H, 2 I] for 1-row passes, or None
+        self.gate_up_proj: nn.Module | None = None  # H -> 2 I over views of gate/up_proj (ddtree.fused), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = project(x, self.gate_up_weight, self.gate_up_t).chunk(2, dim=-1)  # [N, I] each
-            return linear(F.silu(gate) * up, self.down_proj)
-        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [N, I] each
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -210,7 +165,7 @@ class DecoderLayer(nn.Module):
         """h [N, H] -> [N, H]; cos, sin [N, D] at the rows' positions."""
         attn = self.self_attn
         x = self.input_layernorm(h)
-        if attn.qkv_weight is not None:
+        if attn.qkv_proj is not None:
             h = h + attn.output(attend(*attn.fused_qkv(x, cos, sin)))
         else:
             h = h + attn.output(attend(attn.query(x, cos, sin), *attn.key_value(x, cos, sin)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import qlinear
+from .cpu import qlinear
 from .config import SamplingParams
 
 

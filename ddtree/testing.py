@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .cpu.runtime import attach
 from .drafter import untrained_drafter
 from .target import TargetModel
 
@@ -14,9 +15,11 @@ QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_
 
 
 def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, device="cpu", init_scale: float = 0.1,
-                  fused: bool = True, **overrides) -> TargetModel:
+                  fused: bool = True, runtime: bool = True, **overrides):
     """A seeded random target. init_scale is the weights' std; larger gives peakier next-token distributions.
-    fused: the inference weight layout that loading gives (ddtree/fused.py); False, the separate projections."""
+    fused: the inference weight layout that loading gives (ddtree/fused.py); False, the separate projections.
+    runtime: as load() gives it (on a float32 CPU, inside the CPU runtime: ddtree/cpu/runtime.py); False: the
+    bare reference TargetModel."""
     fields = {**TINY, "arch": arch, "rope_theta": 10000.0, "tie_word_embeddings": arch == "llama", **overrides}
     cfg = ModelConfig(**fields)
     gen = torch.Generator().manual_seed(seed)
@@ -27,14 +30,16 @@ def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, devic
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * init_scale)
-    return model.to(device=device, dtype=dtype).eval().fuse(fused)
+    model = model.to(device=device, dtype=dtype).eval().fuse(fused)
+    return attach(model, None)[0] if runtime else model
 
 
 def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, block_size: int = 8, **kw):
+    """A seeded random target and an untrained drafter bound to it (both in the runtime unless runtime=False)."""
     target = random_target(arch, seed, **kw)
     drafter = untrained_drafter(target, num_draft_layers, block_size, seed=seed + 1)
     drafter.label = "random"
-    return target, drafter
+    return attach(target, drafter) if kw.get("runtime", True) else (target, drafter)
 
 
 def char_tokenizer():

@@ -98,8 +98,8 @@ struct Linear {
   torch::Tensor a, b;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: spans; Q8_0: qs, d;
                        // BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
   torch::Tensor bias;
-  // The same weight in GGUF blocks that dequantize to it exactly (cpu_stack.build: a float target loaded from a
-  // GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
+  // The same weight in GGUF blocks that dequantize to it exactly (ddtree/cpu/stack.py: a float target loaded
+  // from a GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
   // result has the same bits at a sixth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
   std::shared_ptr<const Linear> blocks;
   int64_t blocks_rows = 0;
@@ -568,7 +568,7 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
   return out;
 }
 
-// A snapshot of tensors' data pointers and version counters (ddtree.cpu_stack.WeightsWatch): changed() is one C++
+// A snapshot of tensors' data pointers and version counters (ddtree/cpu/weights_watch.py): changed() is one C++
 // loop, where the same check in Python costs three map() calls over every parameter, every pass.
 struct WeightsSnapshot {
   std::vector<torch::Tensor> tensors;  // the same TensorImpls as the Python parameters: `p.data = x` is seen too

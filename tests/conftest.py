@@ -12,7 +12,8 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it must be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ddtree import cost_cache, qlinear
+from ddtree import cost_cache
+from ddtree.cpu import qlinear
 from ddtree.config import SamplingParams
 from ddtree.drafter import untrained_drafter
 from ddtree.engine import Decoder, make_method

@@ -1,4 +1,4 @@
-"""The target's layers as one C++ call (ddtree/cpu_stack.py, kernels/decoder.cpp) against the eager layers
+"""The target's layers as one C++ call (ddtree/cpu/stack.py, kernels/decoder.cpp) in the CPU runtime (ddtree/cpu/runtime.py) against the eager layers
 (the reference): the same pass within float32 rounding, the same tokens for every method, rows that do not
 depend on the width of the pass, and the cases it must leave to the eager path."""
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import assert_same_tokens
-from ddtree import cpu_stack
+from ddtree.cpu import stack as cpu_stack
+from ddtree.cpu import weights_watch
+from ddtree.cpu.runtime import CPUTarget, attach, reference_arithmetic
 from ddtree.attention import Visibility
 from ddtree.drafter import untrained_drafter
 from ddtree.testing import random_pair, random_target
@@ -24,6 +26,12 @@ def tree_visibility(past: int, n: int) -> Visibility:
     return Visibility(past, anc)
 
 
+def current_stack(drafter):
+    """The drafter runtime's stack, re-made first where the weights changed (as a draft does)."""
+    drafter._current()
+    return drafter.stack
+
+
 def prefilled(target, prompt_len: int = 21, seed: int = 0):
     cache = target.new_cache(prompt_len + 80)
     ids = torch.randint(0, target.cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
@@ -39,11 +47,8 @@ def both_paths(target, cache, tokens, vis, taps=(1, 4)):
     fast = target(tokens, positions, cache, vis, tap_layers=taps)
     k_fast = cache.k[:, :, past:past + n].clone()
     v_fast = cache.v[:, :, past:past + n].clone()
-    stack, target.stack = target.stack, None
-    try:
+    with reference_arithmetic(target):
         ref = target(tokens, positions, cache, vis, tap_layers=taps)
-    finally:
-        target.stack = stack
     return fast, ref, (k_fast, cache.k[:, :, past:past + n]), (v_fast, cache.v[:, :, past:past + n])
 
 
@@ -117,19 +122,25 @@ def test_stack_tokens_equal_eager_tokens(arch):
     """ar, dflash and ddtree decode the same tokens with the stack as with the eager layers (fp32)."""
     fast = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25)
     ref = random_pair(arch, seed=11, num_draft_layers=2, init_scale=0.25)
-    ref[0].stack = None
-    ref[1].cpu_stack = lambda: None  # the drafter's block pass eager too
-    assert fast[0].stack is not None and fast[1].cpu_stack() is not None
-    assert_same_tokens(fast, ref, "the C++ stack and the eager layers", seed=3)
+    assert fast[0].stack is not None and fast[1].stack is not None
+    with reference_arithmetic(ref[0]), reference_arithmetic(ref[1]):  # the drafter's block pass eager too
+        assert ref[0].stack is None and ref[1].stack is None
+        assert_same_tokens(fast, ref, "the C++ stack and the eager layers", seed=3)
 
 
 def test_stack_is_left_out_where_it_does_not_apply(monkeypatch):
-    assert random_target("llama", dtype=torch.bfloat16).stack is None  # float32 only
+    assert not isinstance(random_target("llama", dtype=torch.bfloat16), CPUTarget)  # the runtime is float32 only
     assert random_target("llama", fused=False).stack is None  # the reference layout stays eager
     assert random_target("llama", hidden_size=48, num_heads=3, num_kv_heads=1).stack is None  # K % 64 != 0: no row kernel
     target = random_target("llama")
-    assert target.fuse(False).stack is None and target.fuse().stack is not None
-    monkeypatch.setattr(cpu_stack.qlinear, "cpu_kernel_available", lambda: False)  # DDTREE_CPU_KERNEL=0, no AVX2
+    target.fuse(False)
+    target.check_fresh()
+    target._follow_weights()  # the layers' parameters were replaced: the runtime follows on the next pass
+    assert target.stack is None
+    target.fuse()
+    target._follow_weights()
+    assert target.stack is not None
+    monkeypatch.setattr(cpu_stack.qlinear, "cpu_kernel_available", lambda choice="auto": False)  # no AVX2
     assert random_target("llama").stack is None
     vis = Visibility(3, None)
     assert not cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS + 1, "sdpa", vis)  # a prefill: torch's GEMM
@@ -181,33 +192,29 @@ def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
     bonus = torch.tensor([7])
 
     def eager():
-        stack = drafter.cpu_stack
-        drafter.cpu_stack = lambda: None
-        try:
+        with reference_arithmetic(drafter):
             return drafter.draft(cache, bonus)
-        finally:
-            drafter.cpu_stack = stack
 
-    assert drafter.cpu_stack() is not None
+    assert current_stack(drafter) is not None
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
-    first = drafter.cpu_stack()
+    first = current_stack(drafter)
     with torch.no_grad():
         drafter.layers[1].mlp.up_proj.weight.mul_(1.5)
-    assert drafter.cpu_stack() is not first
+    assert current_stack(drafter) is not first
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
     # a parameter REPLACED (attribute assignment, not an in-place write): the cached parameter list is re-read
-    second = drafter.cpu_stack()
+    second = current_stack(drafter)
     down = drafter.layers[0].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach() * -2.0)
-    assert drafter.cpu_stack() is not second
+    assert current_stack(drafter) is not second
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
-    third = drafter.cpu_stack()
-    assert drafter.cpu_stack() is third  # nothing changed: no rebuild
+    third = current_stack(drafter)
+    assert current_stack(drafter) is third  # nothing changed: no rebuild
 
 
 def test_rms_norm_kernel_matches_the_eager_norm():
     """The C++ final norm (target and drafter passes through the stack) against ddtree.layers.RMSNorm."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
     from ddtree.layers import RMSNorm
 
     if not qlinear.cpu_kernel_available():
@@ -228,7 +235,7 @@ def test_float_layers_are_row_invariant_on_two_threads():
     in the LM head, so a verify's rows get the bits of 1-row steps, logits included (on one thread torch's GEMV
     is faster for the head's one row and the logits differ in the last bits)."""
     target = random_target("qwen3", seed=9, init_scale=0.25)
-    assert target.head_t is not None, "the 1-row GEMV copy exists; two threads must not take it"
+    assert target.head.transposed is not None, "the 1-row GEMV copy exists; two threads must not take it"
     cache = prefilled(target)
     tokens = torch.randint(0, target.cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(2))
     assert_steps_equal_chain(target, cache, tokens, threads=2)
@@ -239,7 +246,7 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     copies in its stack and head: the kernel widens them exactly, so the draft logits equal those of float32
     copies bit for bit."""
     target = random_target("llama", seed=4, init_scale=0.25)
-    drafter = untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3))
+    _, drafter = attach(target, untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3)))
     with torch.no_grad():
         for p in drafter.parameters():
             if p.is_floating_point():
@@ -249,12 +256,12 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     drafter.add_context(cache, features)
     bonus = torch.tensor([7])
     half = drafter.draft(cache, bonus)
-    assert drafter.cpu_stack() is not None and drafter._stack[2].dtype == torch.bfloat16
-    assert drafter._stack[3] is drafter.cpu_stack()  # the context pass too, on bf16 copies of fc and k;v
+    assert current_stack(drafter) is not None and drafter.head.compact.dtype == torch.bfloat16
+    assert drafter.context  # the context pass too, on bf16 copies of fc and k;v
     monkeypatch.setattr(cpu_stack, "bf16_copy", lambda w: None)
-    drafter._stack = (None, None, None, None)
+    drafter.refresh()
     assert torch.equal(drafter.draft(cache, bonus), half)
-    assert drafter._stack[2] is None
+    assert drafter.head.compact is None
     fresh = drafter.new_cache(64)  # the context on float32 copies: the same bits
     drafter.add_context(fresh, features)
     assert torch.equal(drafter.draft(fresh, bonus), half)
@@ -263,10 +270,10 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
 def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypatch):
     """A drafter rounded to power-of-two-scaled 8-bit blocks (`train quantize`) gets Q8_0 copies in its stack (layers
     and context pass) and head: their draft logits equal those of bf16 copies of the same values bit for bit."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     target = random_target("llama", seed=4, init_scale=0.25)
-    drafter = untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3))
+    _, drafter = attach(target, untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3)))
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() == 2:
@@ -276,16 +283,16 @@ def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypa
     drafter.add_context(cache, features)
     bonus, lengths = torch.tensor([7]), (2, 3, 5, 8)
     q8 = [drafter.draft(cache, bonus, length) for length in lengths]
-    assert isinstance(drafter._stack[2], qlinear.QWeight) and drafter._stack[2].kind == "Q8_0"
-    assert drafter._stack[3] is drafter.cpu_stack()
+    assert isinstance(drafter.head.compact, qlinear.QWeight) and drafter.head.compact.kind == "Q8_0"
+    assert drafter.context
     monkeypatch.setattr(qlinear, "po2_q8", lambda w, exact=True: None)  # bf16 copies of the same values
-    drafter._stack = (None, None, None, None)
+    drafter.refresh()
     fresh = drafter.new_cache(64)  # the context on bf16 copies too
     drafter.add_context(fresh, features)
     for length, logits in zip(lengths, q8):
         assert torch.equal(drafter.draft(cache, bonus, length), logits)
         assert torch.equal(drafter.draft(fresh, bonus, length), logits)
-    assert drafter._stack[2].dtype == torch.bfloat16
+    assert drafter.head.compact.dtype == torch.bfloat16
 
 
 def test_drafter_context_through_the_stack_matches_eager():
@@ -298,14 +305,14 @@ def test_drafter_context_through_the_stack_matches_eager():
     for stack in (True, False):
         cache = drafter.new_cache(32)
         if stack:
-            assert drafter.cpu_stack() is not None and drafter._stack[3] is not None
+            assert current_stack(drafter) is not None and drafter.context
         else:
-            drafter._stack = (*drafter._stack[:3], None)  # the eager ops (the weights' key unchanged: no rebuild)
+            drafter.context = False  # the eager ops (the weights' key unchanged: no rebuild)
         drafter.add_context(cache, features[:5])  # a past, then more rows after it (positions 5..8)
         drafter.flush_context(cache)
         drafter.add_context(cache, features[5:])
         drafter.flush_context(cache)
-        assert (drafter._stack[3] is not None) == stack
+        assert drafter.context == stack
         caches.append(cache)
     fast, ref = caches
     assert fast.length == ref.length == 9
@@ -329,7 +336,7 @@ def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():
     fast, ref, _, _ = both_paths(target, cache, tokens, Visibility.causal(past, n, "cpu"))
     torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
     assert_steps_equal_chain(target, cache, tokens, threads=1)  # the LM head as bf16 too (tied: the embedding)
-    assert target.head_compact is not None and random_target("llama", seed=8).head_compact is None
+    assert target.head.compact is not None and random_target("llama", seed=8).head.compact is None
 
 
 def test_copies_follow_weights_written_in_place():
@@ -359,14 +366,14 @@ def test_weights_watch_sees_writes_repointing_and_replacement(native, monkeypatc
     """WeightsWatch decides when the stacks' copies are re-made: it must see an in-place write, `p.data = x`, and a
     parameter replaced by attribute assignment, and nothing else (a false alarm only costs a rebuild; a miss would
     decode with stale copies). Its C++ snapshot and the Python fallback answer alike."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     if native and not qlinear.cpu_kernel_available():
         pytest.skip("no CPU kernel on this machine")
     if not native:
-        monkeypatch.setattr(qlinear, "cpu_kernel_available", lambda: False)
+        monkeypatch.setattr(qlinear, "cpu_kernel_available", lambda choice="auto": False)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    watch = cpu_stack.WeightsWatch(model.parameters)
+    watch = weights_watch.WeightsWatch(model.parameters)
     assert (watch.snapshot is not None) == native
     assert not watch.changed()
     torch.nn.Linear(3, 3)  # a registration elsewhere: a re-check of the identities, no alarm

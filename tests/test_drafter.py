@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ddtree.config import ConfigError
+from ddtree.cpu.runtime import attach
 from ddtree.drafter import DFlashDrafter, default_tap_layers
 from ddtree.layers import apply_rope
 from ddtree.testing import random_pair, random_target
@@ -98,7 +99,7 @@ def test_save_load_round_trip(tmp_path):
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == PUBLISHED_KEYS
-    loaded = DFlashDrafter.load(tmp_path).bind(target)
+    loaded = attach(target, DFlashDrafter.load(tmp_path))[1]  # in the CPU runtime, as the saved one runs
     features = torch.randn(9, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
     outs = []
     for d in (drafter, loaded):

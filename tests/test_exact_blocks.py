@@ -1,5 +1,5 @@
 """A float target that reads its narrow passes from the GGUF blocks its weights came from
-(ddtree/exact_blocks.py): the same bits as the float weights, so the same model and the same tokens."""
+(ddtree/cpu/exact_blocks.py): the same bits as the float weights, so the same model and the same tokens."""
 import json
 import random
 
@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from conftest import run
-from ddtree import cache, exact_blocks
+from ddtree import cache
+from ddtree.cpu import exact_blocks
 from ddtree.attention import Visibility
 from ddtree.cache import CACHE_MANIFEST
 from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import write_gguf
-from ddtree.qlinear import QWeight, kernel
+from ddtree.cpu.qlinear import QWeight, head_max_rows, kernel, layer_max_rows
+from ddtree.cpu.runtime import CPUTarget, cpu_target
 from test_gguf_export import template
 from test_quant_target import quantizable_target
 
@@ -21,9 +23,14 @@ def gguf_of(target, tmp_path, name="t.gguf"):
 
 
 def with_blocks(arch, tmp_path, seed=3):
-    target = quantizable_target(arch, seed)
-    target.attach_blocks(exact_blocks._extract(target, gguf_of(quantizable_target(arch, seed), tmp_path)))
-    return target
+    target = quantizable_target(arch, seed, runtime=False)
+    return CPUTarget(target, blocks=exact_blocks._extract(target, gguf_of(quantizable_target(arch, seed), tmp_path)))
+
+
+def loaded(path, conversion, seed=3, **kw):
+    """What load() gives a float target converted from the GGUF `path` (cpu_target: the runtime, with the file's
+    exact blocks where they are the target's weights)."""
+    return cpu_target(quantizable_target("llama", seed, runtime=False), source_gguf=path, conversion=conversion, **kw)
 
 
 def stack_pass(target, rows, past=7, seed=0):
@@ -45,7 +52,7 @@ def test_exact_blocks_give_the_float_weights_bits(arch, threads, tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (1, 2, 3, 5, 6, exact_blocks.head_max_rows(), exact_blocks.head_max_rows() + 3):
+        for rows in (1, 2, 3, 5, 6, head_max_rows(), head_max_rows() + 3):
             for a, b in zip(stack_pass(blocked, rows), stack_pass(plain, rows)):
                 assert torch.equal(a, b), f"{rows} rows"
             h = torch.randn(rows, blocked.cfg.hidden_size)
@@ -58,15 +65,15 @@ def test_exact_blocks_give_the_float_weights_bits(arch, threads, tmp_path):
 
 def test_blocks_serve_narrow_passes_and_the_float_weights_wide_ones(tmp_path):
     """Blocks of OTHER weights attached on purpose: narrow passes change, wider ones do not."""
-    target, plain = quantizable_target("llama", 3), quantizable_target("llama", 3)
+    plain = quantizable_target("llama", 3)
     foreign = exact_blocks._extract(quantizable_target("llama", 4), gguf_of(quantizable_target("llama", 4), tmp_path,
                                                                             "other.gguf"))
-    target.attach_blocks(foreign)
-    narrow, wide = exact_blocks.layer_max_rows(), exact_blocks.layer_max_rows() + 1
+    target = CPUTarget(quantizable_target("llama", 3, runtime=False), blocks=foreign)
+    narrow, wide = layer_max_rows(), layer_max_rows() + 1
     assert not torch.equal(stack_pass(target, narrow)[0], stack_pass(plain, narrow)[0])
     assert torch.equal(stack_pass(target, wide)[0], stack_pass(plain, wide)[0])
     with torch.inference_mode():
-        for rows, changes in ((exact_blocks.head_max_rows(), True), (exact_blocks.head_max_rows() + 1, False)):
+        for rows, changes in ((head_max_rows(), True), (head_max_rows() + 1, False)):
             h = torch.randn(rows, target.cfg.hidden_size)
             assert torch.equal(target.logits(h), plain.logits(h)) != changes, f"head, {rows} rows"
 
@@ -117,12 +124,12 @@ def fake_conversion(tmp_path, digest="abc"):
 def test_attach_checks_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
-    first = quantizable_target("llama")
-    assert exact_blocks.attach(first, path, conversion)
+    first = loaded(path, conversion)
+    assert first.blocks is not None
     assert exact_blocks.cache_file(exact_blocks.cache_key(conversion)).is_file()
     monkeypatch.setattr(exact_blocks, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
-    second = quantizable_target("llama")
-    assert exact_blocks.attach(second, path, conversion)
+    second = loaded(path, conversion)
+    assert second.blocks is not None
     for a, b in zip(first.blocks.layers + [(first.blocks.head,)], second.blocks.layers + [(second.blocks.head,)]):
         for qa, qb in zip(a, b):
             assert isinstance(qb, QWeight) and qa.kind == qb.kind and torch.equal(qa.qs, qb.qs)
@@ -130,16 +137,15 @@ def test_attach_checks_once_then_reads_the_cache(tmp_path, monkeypatch):
     # another conversion of the file (its weights' checksum changed): checked again, not trusted
     monkeypatch.undo()
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
-    assert exact_blocks.attach(quantizable_target("llama"), path, fake_conversion(tmp_path, digest="def"))
+    assert loaded(path, fake_conversion(tmp_path, digest="def")).blocks is not None
 
 
 def test_a_gguf_of_other_weights_gives_no_blocks_and_is_remembered(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama", 4), tmp_path), fake_conversion(tmp_path)
-    target = quantizable_target("llama", 3)
-    assert not exact_blocks.attach(target, path, conversion) and target.blocks is None
+    assert loaded(path, conversion).blocks is None
     monkeypatch.setattr(exact_blocks, "gguf_blocks", lambda *a: pytest.fail("read the GGUF again"))
-    assert not exact_blocks.attach(quantizable_target("llama", 3), path, conversion)
+    assert loaded(path, conversion).blocks is None
 
 
 def same_blocks(a, b) -> bool:
@@ -154,8 +160,8 @@ def test_damaged_cached_blocks_are_checked_again(tmp_path, monkeypatch, capsys, 
     weights: it is noticed, the GGUF's blocks are checked again, and the cache is rewritten."""
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
-    first = quantizable_target("llama")
-    assert exact_blocks.attach(first, path, conversion)
+    first = loaded(path, conversion)
+    assert first.blocks is not None
     file = exact_blocks.cache_file(exact_blocks.cache_key(conversion))
     data = bytearray(file.read_bytes())
     if damage == "same size":
@@ -164,8 +170,7 @@ def test_damaged_cached_blocks_are_checked_again(tmp_path, monkeypatch, capsys, 
         data = data[: len(data) // 2]
     file.write_bytes(bytes(data))
     capsys.readouterr()
-    second = quantizable_target("llama")
-    assert exact_blocks.attach(second, path, conversion)
+    second = loaded(path, conversion)
     assert same_blocks(first.blocks, second.blocks)
     assert "damaged or foreign" in capsys.readouterr().err
     assert not cache.verify(file.parent) and file.read_bytes() != bytes(data)  # rewritten
@@ -182,8 +187,7 @@ def test_a_full_disk_while_caching_the_blocks_is_a_notice(tmp_path, monkeypatch,
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(safetensors.torch, "save_file", full)
-    target = quantizable_target("llama")
-    assert exact_blocks.attach(target, gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
+    target = loaded(gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
     err = capsys.readouterr().err
     assert "the disk is full" in err and "DDTREE_CACHE" in err and target.blocks is not None
 
@@ -192,34 +196,28 @@ def test_a_full_disk_while_caching_the_blocks_is_a_notice(tmp_path, monkeypatch,
 def test_blocks_can_be_turned_off_by_any_false_value(tmp_path, monkeypatch, value):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("DDTREE_GGUF_BLOCKS", value)
-    target = quantizable_target("llama")
-    assert not exact_blocks.attach(target, gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
-    assert target.blocks is None
+    assert loaded(gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)).blocks is None
 
 
 def test_blocks_can_be_turned_off(tmp_path, monkeypatch):
+    """gguf_blocks=False (load's argument) turns them off; the environment can turn off, never on."""
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", "0")
-    target = quantizable_target("llama")
-    assert not exact_blocks.attach(target, gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path))
-    assert target.blocks is None
+    path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
+    assert loaded(path, conversion, gguf_blocks=False).blocks is None
+    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", "1")
+    assert loaded(path, conversion, gguf_blocks=False).blocks is None
+    assert loaded(path, conversion).blocks is not None
 
 
 @pytest.mark.real_model
 def test_embedded_default_reads_its_exact_blocks():
     """ddtree.load() gives SmolLM2 its GGUF's Q4_1 / Q8_0 blocks; greedy tokens equal the float weights' alone
-    (DDTREE_GGUF_BLOCKS=0) for every method (the checker allows rounding near-ties, none expected)."""
-    import os
-
+    (gguf_blocks=False) for every method (the checker allows rounding near-ties, none expected)."""
     import ddtree
 
     pair = ddtree.load(dtype="float32")
     assert pair.target.blocks is not None and pair.target.blocks.head.kind == "Q8_0"
-    os.environ["DDTREE_GGUF_BLOCKS"] = "0"
-    try:
-        plain = ddtree.load(dtype="float32")
-    finally:
-        del os.environ["DDTREE_GGUF_BLOCKS"]
+    plain = ddtree.load(dtype="float32", gguf_blocks=False)
     assert plain.target.blocks is None
     ids = pair.encode("Write a Python function that returns the n-th Fibonacci number.")
     reference = plain.generate(ids, method="ar", max_new_tokens=48).token_ids
@@ -237,7 +235,6 @@ def test_a_target_without_the_cpu_stack_gets_no_blocks(tmp_path, monkeypatch):
     class GenericTarget:  # as ddtree.hf_target.HFTarget presents itself (protocol.Target)
         dtype, backend, quant = torch.float32, "hf:sdpa", None
 
-    assert not exact_blocks.attach(GenericTarget(), path, conversion)
-    target = quantizable_target("llama")
-    target.stack = None
-    assert not exact_blocks.attach(target, path, conversion) and target.blocks is None
+    generic = GenericTarget()
+    assert cpu_target(generic, source_gguf=path, conversion=conversion) is generic
+    assert loaded(path, conversion, cpu_kernel="off").blocks is None  # torch's matmuls: no stack

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from conftest import assert_same_tokens
-from ddtree import cpu_stack
 from ddtree.attention import Visibility
 from ddtree.testing import random_pair, random_target
 
@@ -24,29 +23,12 @@ def logits(target, tokens: list[int], extra: list[int]):
     return out.logits
 
 
-def test_layers_get_their_one_row_copies_when_no_stack_can_be_built(monkeypatch):
-    """fuse() skips the layers' transposed copies where the stack's packed weights will serve 1-row passes; if the
-    stack then cannot be built (here: no C++ kernel), the copies are made after all."""
-    from ddtree import qlinear
-
-    monkeypatch.setattr(qlinear, "cpu_kernel_available", lambda: False)
-    fused = random_target("llama", seed=3, init_scale=0.25)
-    ref = random_target("llama", seed=3, init_scale=0.25, fused=False)
-    assert fused.stack is None and cpu_stack.packs(fused.model.layers)
-    assert all(layer.mlp.gate_up_t is not None and layer.self_attn.qkv_t is not None for layer in fused.model.layers)
-    torch.testing.assert_close(logits(fused, [1, 2, 3], [5]), logits(ref, [1, 2, 3], [5]), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_forward_matches_reference(arch):
-    fused = random_target(arch, seed=3, init_scale=0.25)
-    ref = random_target(arch, seed=3, init_scale=0.25, fused=False)
+    fused = random_target(arch, seed=3, init_scale=0.25, runtime=False)
+    ref = random_target(arch, seed=3, init_scale=0.25, fused=False, runtime=False)
     assert fused.fused and not ref.fused
-    assert fused.head_t is not None  # fp32 CPU: the LM head's 1-row copy
-    # and the layers' 1-row copies, unless the C++ stack's packed copies serve those passes (ddtree.cpu_stack)
-    packed = fused.stack is not None and cpu_stack.packs(fused.model.layers)
-    assert (fused.model.layers[0].mlp.gate_up_t is None) == packed
-    for extra in ([5], [5, 17, 40, 2, 9]):  # the 1-row fast path and the F.linear path
+    for extra in ([5], [5, 17, 40, 2, 9]):
         torch.testing.assert_close(logits(fused, [1, 2, 3, 4], extra), logits(ref, [1, 2, 3, 4], extra),
                                    rtol=1e-5, atol=1e-5)
 
@@ -61,26 +43,26 @@ def test_fused_tokens_equal_reference_tokens(arch):
 
 
 def test_fusing_keeps_the_state_dict_and_stores_nothing_twice():
-    ref = random_target("qwen2", seed=1, fused=False)
-    fused = random_target("qwen2", seed=1)
+    ref = random_target("qwen2", seed=1, fused=False, runtime=False)
+    fused = random_target("qwen2", seed=1, runtime=False)
     a, b = ref.state_dict(), fused.state_dict()
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     attn = fused.model.layers[0].self_attn
     # q/k/v_proj's weights and biases are views of the fused tensors
-    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
     v_start = (attn.num_heads + attn.num_kv_heads) * attn.head_dim  # q rows, then k rows, then v rows
-    assert attn.v_proj.bias.data_ptr() == attn.qkv_bias[v_start:].data_ptr()
+    assert attn.v_proj.bias.data_ptr() == attn.qkv_proj.bias[v_start:].data_ptr()
+    assert not list(attn.qkv_proj.parameters())  # the fused linear holds plain tensors: nothing stored twice
 
 
 def test_to_rebuilds_the_fused_weights():
     """.to() converts the parameters; the fused weights are rebuilt from them, not left behind."""
-    fused = random_target("llama", seed=2)
+    fused = random_target("llama", seed=2, runtime=False)
     double = fused.to(torch.float64)
     attn = double.model.layers[0].self_attn
-    assert double.fused and attn.qkv_weight.dtype == torch.float64
-    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
-    assert double.head_t is None  # the 1-row copies are for float32 CPU models only
-    ref = random_target("llama", seed=2, fused=False).to(torch.float64)
+    assert double.fused and attn.qkv_proj.weight.dtype == torch.float64
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_proj.weight.data_ptr()
+    ref = random_target("llama", seed=2, fused=False, runtime=False).to(torch.float64)
     torch.testing.assert_close(logits(double, [3, 4], [7]), logits(ref, [3, 4], [7]))

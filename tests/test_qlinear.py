@@ -1,4 +1,4 @@
-"""The CPU kernel (ddtree/qlinear.py, kernels/qlinear.cpp): GGUF blocks dequantized exactly, products against a
+"""The CPU kernel (ddtree/cpu/qlinear.py, kernels/qlinear.cpp): GGUF blocks dequantized exactly, products against a
 dequantize-then-float reference, row results independent of the batch, the float32 / bf16 / packed / 8-bit paths,
 the AVX-512 build against the AVX2 one, and the compiled library in the cache. The first test builds the kernel."""
 import random
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddtree.config import ConfigError
-from ddtree.qlinear import KERNEL_MAX_ROWS, QWeight
+from ddtree.cpu.qlinear import KERNEL_MAX_ROWS, QWeight
 from ddtree.testing import random_target
 
 KINDS = ["Q4_1", "Q8_0"]
@@ -71,7 +71,7 @@ def test_fused_rows_and_bad_input():
 
 
 def test_float32_kernel_matches_torch_and_does_not_depend_on_the_batch():
-    from ddtree.qlinear import kernel
+    from ddtree.cpu.qlinear import kernel
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(203, 192, generator=gen)
@@ -81,40 +81,53 @@ def test_float32_kernel_matches_torch_and_does_not_depend_on_the_batch():
     assert torch.equal(y, torch.cat([kernel().f32_linear(x[i:i + 1].contiguous(), w) for i in range(17)]))
 
 
-def test_project_takes_the_kernel_for_skinny_inference_products_only(monkeypatch):
-    """2-64 float32 rows in inference go to the kernel; a product that needs gradients, or
-    DDTREE_CPU_KERNEL=0, stays on torch's F.linear."""
-    import ddtree.layers as layers
-    import ddtree.qlinear as qlinear
+def test_linear_takes_the_kernel_for_skinny_inference_products_only(monkeypatch):
+    """The runtime's Linear: 2-64 float32 rows in inference go to the kernel; one row (without a transpose kept), a
+    wide pass, a product that needs gradients, and a runtime without a kernel (cpu_kernel='off') take F.linear."""
+    import ddtree.cpu.qlinear as qlinear
+    from ddtree.cpu.runtime import Linear
 
     calls = []
     real = qlinear.kernel()
-    monkeypatch.setattr(qlinear, "kernel", lambda: type("K", (), {
-        "f32_linear": staticmethod(lambda x, w: calls.append(x.shape[0]) or real.f32_linear(x, w))}))
+    kernel = type("K", (), {"f32_linear": staticmethod(lambda x, w: calls.append(x.shape[0]) or real.f32_linear(x, w))})
     w = torch.randn(32, 64)
     with torch.inference_mode():
-        layers.project(torch.randn(5, 64), w, None)
-        layers.project(torch.randn(1, 64), w, None)  # one row: torch (as fast, and weight_t where kept)
-        layers.project(torch.randn(65, 64), w, None)  # wide: torch's blocked GEMM
+        Linear(w, kernel)(torch.randn(5, 64))
+        Linear(w, kernel)(torch.randn(1, 64))  # one row: torch (as fast)
+        Linear(w, kernel)(torch.randn(65, 64))  # wide: torch's blocked GEMM
+        Linear(w, None)(torch.randn(5, 64))  # no kernel
     assert calls == [5]
     wg = torch.randn(32, 64, requires_grad=True)
-    out = layers.project(torch.randn(5, 64), wg, None)
+    out = Linear(wg, kernel)(torch.randn(5, 64))
     out.sum().backward()  # F.linear: differentiable
     assert calls == [5] and wg.grad is not None
-    qlinear.cpu_kernel_available.cache_clear()
+
+
+def test_the_kernel_choice_is_a_load_argument_the_environment_overrides(monkeypatch):
+    """load(cpu_kernel=...) names the build ('auto' the CPU's own) or turns it off; DDTREE_CPU_KERNEL=0 turns it
+    off whatever was asked, DDTREE_CPU_ISA forces a build; bad names are refused with the choices."""
+    import ddtree
+    from ddtree.cpu import qlinear
+
+    for name in ("DDTREE_CPU_KERNEL", "DDTREE_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert qlinear.resolve_cpu_kernel("avx2") == "avx2" and qlinear.resolve_cpu_kernel("off") == "off"
+    assert qlinear.resolve_cpu_kernel("auto") in ("avx2", "avx512")
+    monkeypatch.setenv("DDTREE_CPU_ISA", "avx2")
+    assert qlinear.resolve_cpu_kernel("auto") == "avx2"
     monkeypatch.setenv("DDTREE_CPU_KERNEL", "0")
-    try:
-        with torch.inference_mode():
-            layers.project(torch.randn(5, 64), w, None)
-        assert calls == [5]
-    finally:
-        monkeypatch.delenv("DDTREE_CPU_KERNEL")
-        qlinear.cpu_kernel_available.cache_clear()
+    assert qlinear.resolve_cpu_kernel("avx2") == "off"
+    with pytest.raises(ConfigError, match="unknown cpu_kernel 'sse4'.*auto, avx2, avx512, off"):
+        qlinear.resolve_cpu_kernel("sse4")
+    with pytest.raises(ConfigError, match="unknown cpu_kernel"):
+        ddtree.load(cpu_kernel="fast")
+    with pytest.raises(ConfigError, match="gguf_blocks must be True or False"):
+        ddtree.load(gguf_blocks="no")
 
 
 def test_bf16_kernel_equals_the_float32_kernel_on_the_widened_weights():
     """bf16_linear widens the weights in registers, exactly, and sums as f32_linear does: same bits, any rows."""
-    from ddtree.qlinear import kernel
+    from ddtree.cpu.qlinear import kernel
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 128, generator=gen).to(torch.bfloat16)
@@ -129,7 +142,7 @@ def test_power_of_two_q8_blocks_are_exact_in_bf16_and_sum_as_bf16():
     """po2_q8: per block of 32, d = the smallest power of two with |w| <= 127 d. The rounded values are bfloat16
     values, the blocks of a rounded weight dequantize to it exactly (and to nothing else: a weight that is not such
     values has none), and q8_0_linear over them equals bf16_linear over the same values bit for bit, any rows."""
-    from ddtree.qlinear import kernel, po2_q8, round_po2_q8
+    from ddtree.cpu.qlinear import kernel, po2_q8, round_po2_q8
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, 128, generator=gen) * torch.logspace(-4, 1, 40).unsqueeze(1)  # scales far apart
@@ -155,7 +168,7 @@ def test_power_of_two_q8_blocks_are_exact_in_bf16_and_sum_as_bf16():
 def test_packed_float32_kernel_equals_the_row_major_one():
     """f32p_linear reads pack_rows' tile-by-tile layout and sums as f32_linear does: same bits, any rows and
     threads (the prefetching differs with the rows, the arithmetic does not)."""
-    from ddtree.qlinear import kernel, pack_rows
+    from ddtree.cpu.qlinear import kernel, pack_rows
 
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(48, 192, generator=gen)
@@ -239,7 +252,7 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
 def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     """Where torch reports AVX-512 but the AVX-512 build does not compile, the AVX2 build serves (with a
     warning) instead of the CPU losing its kernel; DDTREE_CPU_ISA names a build outright, and a bad name is refused."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     calls = []
 
@@ -250,8 +263,9 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
         return f"build:{isa}"
 
     monkeypatch.setattr(qlinear, "build_kernel", fake_build)
-    monkeypatch.setattr(qlinear, "kernel_isa", lambda: "avx512")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.delenv("DDTREE_CPU_ISA", raising=False)
+    monkeypatch.delenv("DDTREE_CPU_KERNEL", raising=False)
     qlinear.kernel.cache_clear()
     try:
         with pytest.warns(UserWarning, match="AVX-512 build of the CPU kernel failed"):
@@ -262,9 +276,9 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("DDTREE_CPU_ISA", "sse4")
     with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='sse4' is not valid"):
-        qlinear.kernel_isa()
+        qlinear.resolve_cpu_kernel()
     monkeypatch.setenv("DDTREE_CPU_ISA", "AVX2")
-    assert qlinear.kernel_isa() == "avx2"
+    assert qlinear.resolve_cpu_kernel() == "avx2"
 
 
 # --- the compiled kernels in the cache (qlinear.compile_extension, on a tiny extension that builds in seconds) -
@@ -282,7 +296,7 @@ PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&mo
 
 def tiny_build(tmp_path, monkeypatch):
     """compile_extension of TINY into a cache under tmp_path: (a function that builds or loads it, its folder)."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "tiny.cpp"
@@ -349,7 +363,7 @@ def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, ca
     damage(library, b"" if kind == "empty" else bytes(random.Random(0).randrange(256) for _ in range(size)))
     loaded = []
     real_import = cache.import_library
-    monkeypatch.setattr("ddtree.qlinear.import_library", lambda p, n: loaded.append(p) or real_import(p, n))
+    monkeypatch.setattr("ddtree.cpu.qlinear.import_library", lambda p, n: loaded.append(p) or real_import(p, n))
     capsys.readouterr()
     assert build().answer() == 42
     assert "damaged or incomplete" in capsys.readouterr().err
@@ -360,7 +374,7 @@ def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, ca
 def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkeypatch):
     """A read-only cache (a container, a shared install) with a complete build: imported without a lock, a
     compiler or a write (before, the build lock could not be taken and torch's slower matmuls served)."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     build, folder = tiny_build(tmp_path, monkeypatch)
 
@@ -375,7 +389,7 @@ def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkey
 def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
     """DDTREE_CPU_ISA=bogus is an error (before: a warning and torch's 2x slower matmuls); DDTREE_CPU_KERNEL
     takes any boolean spelling (before: only "0" turned it off)."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
 
     qlinear.cpu_kernel_available.cache_clear()
     try:

@@ -1,4 +1,4 @@
-"""A target on its GGUF file's own blocks (ddtree/quant_target.py, quant="gguf"): the same model as the float
+"""A target on its GGUF file's own blocks (ddtree/cpu/quant_target.py, quant="gguf"): the same model as the float
 target, lossless methods on it, and the refusals."""
 import random
 
@@ -10,8 +10,9 @@ from conftest import run
 from ddtree.config import ConfigError
 from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import permute_rope_rows, write_gguf
-from ddtree.qlinear import QLinear, QWeight
-from ddtree.quant_target import dequantized_state, llama_row_order, quantize_target
+from ddtree.cpu.qlinear import QLinear, QWeight
+from ddtree.cpu.quant_target import dequantized_state, llama_row_order, quantize_target
+from ddtree.cpu.runtime import attach, cpu_target
 from ddtree.testing import random_target
 from test_gguf_export import template
 
@@ -22,22 +23,22 @@ def test_llama_row_order_undoes_the_gguf_permutation():
     assert torch.equal(permuted[llama_row_order(16, 2)], torch.from_numpy(w))
 
 
-def quantizable_target(arch: str, seed: int = 3):
+def quantizable_target(arch: str, seed: int = 3, runtime: bool = True):
     """A random target whose matrices are already on the Q4_1 (layers) / Q8_0 (embedding, head) grids, so the
-    float model and its quantized GGUF are the same model."""
-    target = random_target(arch, seed=seed, init_scale=0.25, fused=False)
+    float model and its quantized GGUF are the same model (in the CPU runtime unless runtime=False)."""
+    target = random_target(arch, seed=seed, init_scale=0.25, fused=False, runtime=False)
     with torch.no_grad():
         for name, p in target.named_parameters():
             if p.dim() == 2:
                 kind = "Q4_1" if name.startswith("model.layers.") else "Q8_0"
                 p.copy_(QWeight.quantize(p, kind).dequantize())
-    return target.fuse()
+    return attach(target.fuse(), None)[0] if runtime else target.fuse()
 
 
 def quantized(arch: str, tmp_path, seed: int = 3):
     path = write_gguf(quantizable_target(arch, seed), tmp_path / f"{arch}.gguf", template(tmp_path / "t.gguf"),
                       quant="Q4_1")
-    return quantize_target(quantizable_target(arch, seed), path)
+    return cpu_target(quantizable_target(arch, seed, runtime=False), quant_gguf=path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # llama: q/k rows permuted in the file; qwen3: q/k norms
@@ -45,7 +46,7 @@ def test_quantized_target_is_the_float_model(arch, tmp_path):
     q, ref = quantized(arch, tmp_path), quantizable_target(arch)
     assert q.quant == "gguf Q4_1/Q8_0" and isinstance(q.lm_head, QLinear) and q.row_logits
     attn = q.model.layers[0].self_attn
-    assert isinstance(attn.qkv_weight, QWeight) and isinstance(attn.o_proj, QLinear)
+    assert isinstance(attn.qkv_proj, QLinear) and isinstance(attn.o_proj, QLinear)
     from test_fused import logits
 
     for extra in ([5], [5, 17, 40, 2, 9]):
@@ -76,12 +77,12 @@ def test_a_gguf_that_is_not_the_float_model_is_refused(tmp_path):
     path = write_gguf(quantizable_target("llama", seed=3), tmp_path / "a.gguf", template(tmp_path / "t.gguf"),
                       quant="Q4_1")
     with pytest.raises(ConfigError, match="does not dequantize to the float weights"):
-        quantize_target(quantizable_target("llama", seed=4), path)
+        quantize_target(quantizable_target("llama", seed=4, runtime=False), path)
 
 
 def test_a_quantized_target_stays_put(tmp_path):
     q = quantized("llama", tmp_path)
-    with pytest.raises(ConfigError, match="CPU in float32 only"):
+    with pytest.raises(ConfigError, match="without quant to move"):
         q.to(torch.float64)
     with pytest.raises(ConfigError, match="no float layout"):
         q.fuse(False)

@@ -114,7 +114,7 @@ def test_processed_probs_top_k_top_p():
 def test_greedy_argmax_kernel_gives_torch_argmax():
     """The greedy choice goes through the CPU kernel's argmax_rows on float32 CPU logits: torch.argmax's index on
     every row, ties (the first maximum), infinities and NaNs (the first NaN) included."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
     from ddtree.sampling import argmax
 
     if not qlinear.cpu_kernel_available():
@@ -138,7 +138,7 @@ def test_greedy_argmax_kernel_gives_torch_argmax():
 def test_sampling_kernel_is_the_inverse_cdf_and_never_draws_a_zero():
     """sample_rows (the CPU draw behind choose at T > 0): the first index whose running double sum exceeds u x the
     row's total, never one of probability zero, at either end of u's range; a row with no mass is an error."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
     from ddtree.sampling import sample
 
     if not qlinear.cpu_kernel_available():

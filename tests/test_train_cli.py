@@ -111,7 +111,8 @@ def test_quantize_rounds_every_matrix_to_8bit_blocks_and_decodes_losslessly(tmp_
     """`train quantize`: every matrix of the drafter (fc, the layers' projections, the reduced head) becomes
     power-of-two-scaled 8-bit values, stored as bf16 and read back as those blocks; norms and d2t are kept; the
     rounded drafter is a drafter like any other (every method equals ar); a non-empty --out needs --force."""
-    from ddtree import qlinear
+    from ddtree.cpu import qlinear
+    from ddtree.cpu.runtime import attach
     from ddtree.train import cli
     
     target = random_target("llama", seed=6, init_scale=0.25)
@@ -129,7 +130,8 @@ def test_quantize_rounds_every_matrix_to_8bit_blocks_and_decodes_losslessly(tmp_
             assert not torch.equal(q, p), name
         else:
             assert torch.equal(q, p), name
-    assert isinstance(rounded.cpu_stack() and rounded._stack[2], qlinear.QWeight)
+    _, rounded = attach(target, rounded)  # as a pair runs it: in the CPU runtime
+    assert rounded.stack is not None and isinstance(rounded.head.compact, qlinear.QWeight)
     for prompt in ([5, 9, 2], [40, 41, 42, 43, 44, 45, 46], [3] * 12):
         reference, _ = run(target, None, prompt, "ar", max_new_tokens=20)
         for method, budget in (("dflash", None), ("ddtree", 2), ("ddtree", 16), ("ddtree", "auto")):

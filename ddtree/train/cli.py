@@ -29,7 +29,7 @@ from ..drafter import DFlashDrafter, untrained_drafter
 from ..files import output_dir, read_jsonl
 from ..loading import (default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device, resolve_target_dir,
                        stop_token_ids)
-from ..qlinear import po2_q8
+from ..cpu.qlinear import po2_q8
 from .card import model_card
 from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
 from .grow import grow_drafter, layers_from_target

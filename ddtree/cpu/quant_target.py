@@ -6,7 +6,7 @@ checking that the blocks dequantize to exactly the float weights just loaded (bi
 llama.cpp's converter permutes for Llama are put back in order). So the quantized model IS the float model, with
 weights streamed at 5 (Q4_1) or 8.5 (Q8_0) bits instead of 32, and the kernels sum in the float path's order: on
 two threads its logits equal the float target's bit for bit. A float target loaded from a GGUF reads the same
-blocks for its narrow passes anyway (ddtree/exact_blocks.py); quant='gguf' takes them at every width and frees
+blocks for its narrow passes anyway (exact_blocks.py); quant='gguf' takes them at every width and frees
 the float weights (less memory, slower wide passes).
 Other tensor types (F32, F16, K-quants, ...) stay float. The embedding stays float (a lookup reads one row);
 a tied LM head gets its own quantized copy, as llama.cpp uses it.
@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_stack
-from .config import ConfigError
+from ..config import ConfigError
 from .qlinear import KINDS, QLinear, QWeight
 
 # our module path within a layer -> the GGUF tensor name (blk.{i}.NAME.weight)
@@ -48,26 +47,24 @@ def _matching(tensor, weight: torch.Tensor, heads: int | None, name: str) -> QWe
                       "file; is the GGUF the one this target was converted from? Load without quant='gguf'")
 
 
-def quantize_target(target, gguf_path: Path):
-    """Swap `target`'s linear layers (fused by ddtree.fused) for QLinears on `gguf_path`'s blocks; returns it."""
-    if target.backend != "own" or not target.fused:
+def quantize_target(model, gguf_path: Path) -> str | None:
+    """Swap the reference target `model`'s fused linear layers (ddtree.fused) for QLinears on `gguf_path`'s blocks,
+    in place; returns what it runs on (e.g. "gguf Q4_1/Q8_0"), None where no tensor had a supported type. The
+    CPU runtime builds its stack over them afterwards (runtime.cpu_target)."""
+    if model.backend != "own" or not model.fused:
         raise ConfigError("quant='gguf' needs the own-code target backend (backend='own')")
-    if target.device.type != "cpu" or target.dtype != torch.float32:
-        raise ConfigError(f"quant='gguf' runs on the CPU in float32 (asked: {target.device.type} "
-                          f"{str(target.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
-    layers, head = gguf_blocks(target, gguf_path)
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise ConfigError(f"quant='gguf' runs on the CPU in float32 (asked: {model.device.type} "
+                          f"{str(model.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
+    layers, head = gguf_blocks(model, gguf_path)
     kinds = set()
-    for layer, quant in zip(target.model.layers, layers):
+    for layer, quant in zip(model.model.layers, layers):
         _swap_layer(layer, quant)
         kinds.update(q.kind for q in quant.values() if q is not None)
     if head is not None:
-        target.lm_head = QLinear(head)
-        target.head_t = None
+        model.lm_head = QLinear(head)
         kinds.add(head.kind)
-    target.quant = "gguf " + "/".join(sorted(kinds)) if kinds else None
-    target.stack = cpu_stack.build(target.cfg, target.model.layers)
-    target._copies_of = None  # the float weights' copies are gone (and that list must not keep them alive)
-    return target
+    return "gguf " + "/".join(sorted(kinds)) if kinds else None
 
 
 def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]], QWeight | None]:
@@ -112,13 +109,12 @@ def _swap_layer(layer, quant: dict[str, QWeight | None]) -> None:
     float); the separate projections become row views of the fused QWeight."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv, o, gate_up, down = fused_groups(quant)
-    groups = ((attn, qkv, "qkv_weight", "qkv_t", ("q_proj", "k_proj", "v_proj"), "self_attn."),
-              (mlp, gate_up, "gate_up_weight", "gate_up_t", ("gate_proj", "up_proj"), "mlp."))
-    for module, fused, fused_name, transposed_name, names, prefix in groups:
+    groups = ((attn, qkv, "qkv_proj", ("q_proj", "k_proj", "v_proj"), "self_attn."),
+              (mlp, gate_up, "gate_up_proj", ("gate_proj", "up_proj"), "mlp."))
+    for module, fused, fused_name, names, prefix in groups:
         if fused is None:
             continue  # stays float
-        setattr(module, fused_name, fused)
-        setattr(module, transposed_name, None)
+        setattr(module, fused_name, QLinear(fused, getattr(module, fused_name).bias))
         start = 0
         for n in names:
             rows = quant[prefix + n].shape[0]
@@ -134,7 +130,7 @@ def dequantized_state(target) -> dict[str, torch.Tensor]:
     For the `hf` peer, which runs transformers on the same weights."""
     state = dict(target.state_dict())
     for name, module in target.named_modules():
-        if isinstance(module, QLinear):
+        if isinstance(module, QLinear) and not name.endswith(("qkv_proj", "gate_up_proj")):  # fused: not HF's
             state[f"{name}.weight"] = module.weight.dequantize()
             if module.bias is not None:
                 state[f"{name}.bias"] = module.bias

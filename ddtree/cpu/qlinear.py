@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import build_lock, cache_root, import_library, notice, read_manifest, replacing_dir, seal, verify
-from .config import ConfigError
-from .kernels import SOURCE_DIR
-from .knobs import env_choice, env_flag, env_value
+from ..cache import build_lock, cache_root, import_library, notice, read_manifest, replacing_dir, seal, verify
+from ..config import CPU_KERNELS, ConfigError
+from ..kernels import SOURCE_DIR
+from ..knobs import env_choice, env_flag
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d (, fp16 m), then the 32 weights' bits
@@ -37,41 +37,51 @@ KINDS = tuple(BLOCK_BYTES)
 KERNEL_MAX_ROWS = 320
 
 
-@functools.cache
-def cpu_kernel_available() -> bool:
-    """Can float32 CPU products use the kernel (layers.project)? Not with DDTREE_CPU_KERNEL off, without AVX2, or
-    where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact). A bad
-    value of DDTREE_CPU_KERNEL or DDTREE_CPU_ISA is an error, not a slower fallback."""
+ISAS = ("avx2", "avx512")
+
+
+def resolve_cpu_kernel(choice: str = "auto") -> str:
+    """The kernel build a load runs: "avx2", "avx512", or "off" (torch's matmuls everywhere: the reference
+    arithmetic, slower). choice is load()'s cpu_kernel; "auto" is "avx512" where torch reports AVX512 (F, BW, VL,
+    DQ: the build then also uses the 16 extra vector registers, which let one pass take more rows), else "avx2".
+    The environment overrides it (read here, once per load): DDTREE_CPU_KERNEL=0 turns it off, DDTREE_CPU_ISA
+    forces a build. Both builds give the same bits."""
+    if choice not in CPU_KERNELS:
+        raise ConfigError(f"unknown cpu_kernel {choice!r}; choose one of {', '.join(CPU_KERNELS)}")
     if not env_flag("DDTREE_CPU_KERNEL", True):
+        return "off"
+    forced = env_choice("DDTREE_CPU_ISA", ISAS)
+    if forced:
+        return forced
+    if choice == "auto":
+        return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
+    return choice
+
+
+@functools.cache
+def cpu_kernel_available(choice: str = "auto") -> bool:
+    """Can float32 CPU products use the kernel? Not where resolve_cpu_kernel(choice) is "off", without AVX2, or
+    where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact). A bad
+    choice or value of DDTREE_CPU_KERNEL / DDTREE_CPU_ISA is an error, not a slower fallback."""
+    if resolve_cpu_kernel(choice) == "off":
         return False
-    kernel_isa()
     try:
-        kernel()
+        kernel(choice)
     except ConfigError as e:
         warnings.warn(f"ddtree: the CPU matmul kernel is unavailable, using torch's ({e})", stacklevel=2)
         return False
     return True
 
 
-ISAS = ("avx2", "avx512")
-
-
-def kernel_isa() -> str:
-    """Which build of the kernel this CPU runs: "avx512" where torch reports AVX512 (F, BW, VL, DQ: the build then
-    also uses the 16 extra vector registers, which let one pass take up to 12 rows), else "avx2".
-    DDTREE_CPU_ISA=avx2 forces the AVX2 build (to compare them; both give the same bits)."""
-    forced = env_choice("DDTREE_CPU_ISA", ISAS)
-    if forced:
-        return forced
-    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
-
-
 @functools.cache
-def kernel():
-    """The compiled extension for this CPU (kernel_isa(), read once per process); see build_kernel. Where the
-    AVX-512 build fails (a compiler without those flags), the AVX2 build serves, with a warning."""
-    isa = kernel_isa()
-    if isa == "avx512" and not env_value("DDTREE_CPU_ISA"):
+def kernel(choice: str = "auto"):
+    """The compiled extension for resolve_cpu_kernel(choice) (built once per process; see build_kernel). Where an
+    automatically chosen AVX-512 build fails (a compiler without those flags), the AVX2 build serves, with a
+    warning. A ConfigError where the choice is "off"."""
+    isa = resolve_cpu_kernel(choice)
+    if isa == "off":
+        raise ConfigError("the CPU kernel is turned off (cpu_kernel='off' or DDTREE_CPU_KERNEL=0), and this needs it")
+    if isa == "avx512" and choice == "auto" and not env_choice("DDTREE_CPU_ISA", ISAS):
         try:
             return build_kernel(isa)
         except ConfigError as e:
@@ -83,8 +93,8 @@ def kernel():
 @functools.cache
 def build_kernel(isa: str = "avx2"):
     """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/kernels, see
-    compile_extension): the quantized products, float32 ones for layers.project, and the decoder-layer stack
-    (ddtree/cpu_stack.py). isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and
+    compile_extension): the quantized products, float32 ones for the runtime's Linear, and the decoder-layer
+    stack (stack.py). isa "avx512" builds the same sources with AVX-512VL/BW/DQ allowed (its own name and
     folder, so a cache shared by two kinds of CPU never loads it on one without them); every product keeps its
     order of sums, so the two builds give the same bits (tests/test_qlinear.py)."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -94,7 +104,8 @@ def build_kernel(isa: str = "avx2"):
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
     if isa == "avx512" and capability != "AVX512":
-        raise ConfigError(f"DDTREE_CPU_ISA=avx512 on a CPU without AVX-512 (torch reports {capability!r}); unset it")
+        raise ConfigError(f"the avx512 kernel (cpu_kernel='avx512' or DDTREE_CPU_ISA=avx512) on a CPU without AVX-512 "
+                          f"(torch reports {capability!r}); choose cpu_kernel 'auto' or 'avx2'")
     sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp")]
     # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
@@ -335,8 +346,12 @@ class QLinear(nn.Module):
         y = self.weight.matmul(x)
         return y if self.bias is None else y + self.bias
 
+    def _apply(self, fn, *args, **kwargs):
+        raise ConfigError("a target on quantized blocks (quant='gguf') runs on the CPU in float32 only; load it "
+                          "without quant to move or convert it")
 
-# Exact GGUF blocks (ddtree/exact_blocks.py) serve passes of up to layer_max_rows() / head_max_rows() rows. The
+
+# Exact GGUF blocks (exact_blocks.py) serve passes of up to layer_max_rows() / head_max_rows() rows. The
 # dequantizing pass is compute-bound past a few rows (it dequantizes in registers for every pass, and past one
 # pass's rows it stores dequantized tiles and sweeps them), so wider passes keep the float weights. Where the
 # crossings lie on real CPUs is in docs/cpu-speed.md.
@@ -344,13 +359,14 @@ AVX2_LAYER_MAX_ROWS = 5  # the AVX2 build's WIDE_PASS_ROWS: one dequantizing pas
 AVX2_HEAD_MAX_ROWS = 9  # a Q8_0 head (8.5 bits a weight) stays ahead of the float head up to here
 
 
-@functools.cache
-def layer_max_rows() -> int:
-    """Passes of up to this many rows read the layers' blocks: as many as one pass of the kernel's build takes."""
-    return kernel().wide_pass_rows if cpu_kernel_available() else AVX2_LAYER_MAX_ROWS
+def layer_max_rows(built=None) -> int:
+    """Passes of up to this many rows read the layers' blocks: as many as one pass of the kernel's build takes.
+    built: a compiled extension (kernel(choice)); None: the default build, where there is one."""
+    if built is None and cpu_kernel_available():
+        built = kernel()
+    return built.wide_pass_rows if built is not None else AVX2_LAYER_MAX_ROWS
 
 
-@functools.cache
-def head_max_rows() -> int:
+def head_max_rows(built=None) -> int:
     """Passes of up to this many rows read the LM head's blocks."""
-    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows())
+    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows(built))

@@ -6,15 +6,15 @@ format the weight is stored in, and a block dequantizes in registers to exactly 
 over the blocks has the bits of the product over the float weights: the same model, with 5 (Q4_1) or 8.5 (Q8_0)
 bits read per weight instead of 32. A plain decoding step streams every weight once, so its matmuls cost a
 fraction of the float ones (docs/cpu-speed.md). Wider passes are compute-bound
-and keep the float weights (layer_max_rows(), head_max_rows() below).
+and keep the float weights (qlinear.layer_max_rows(), head_max_rows()).
 
-Unlike quant='gguf' (ddtree/quant_target.py), the float model stays whole: training, .to(), the eager reference
-and prefills use the float weights, and a weight written in place drops the blocks (TargetModel._follow_weights).
+Unlike quant='gguf' (quant_target.py), the float model stays whole: training, .to(), the eager reference
+and prefills use the float weights, and a weight written in place drops the blocks (runtime.CPUTarget).
 Reading the GGUF's metadata takes seconds, so the blocks are checked against the float weights once and cached:
 $DDTREE_CACHE/exact-blocks/<the conversion's folder name>/blocks.safetensors, keyed by the conversion's checksum
 and sealed by ddtree/cache.py: a file whose bytes changed since is checked against the GGUF again (a damaged
 block would decode a different model, and every method would agree with it).
-DDTREE_GGUF_BLOCKS=0 turns them off (the benchmark's float-storage comparison with llama.cpp F32).
+load(gguf_blocks=False) (or DDTREE_GGUF_BLOCKS=0) turns them off: the benchmark's float-storage comparison.
 """
 from __future__ import annotations
 
@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-from .cache import CACHE_MANIFEST, cache_root, notice, read_manifest, replacing_dir, seal, verify
-from .config import ConfigError
-from .knobs import env_flag
-from .qlinear import QWeight, head_max_rows, layer_max_rows  # noqa: F401 (the blocks' row limits)
+from ..cache import CACHE_MANIFEST, cache_root, notice, read_manifest, replacing_dir, seal, verify
+from ..config import ConfigError
+from .qlinear import QWeight
 from .quant_target import fused_groups, gguf_blocks
 
 FORMAT = 2  # 2: Q4_1 in 40-byte spans with fp16 scales (1: lanes, d and m apart)
@@ -62,28 +61,18 @@ class ExactBlocks:
         return cls([tuple(get(f"layers.{i}.{slot}") for slot in SLOTS) for i in range(num_layers)], get("head"))
 
 
-def enabled() -> bool:
-    return env_flag("DDTREE_GGUF_BLOCKS", True)
-
-
-def attach(target, gguf_path: Path, conversion: Path) -> bool:
-    """Give a float32 CPU target (loaded from the conversion `conversion` of `gguf_path`) its exact GGUF blocks,
-    from the cache or checked and cached now. False, and the target unchanged, where it cannot take them: not
-    float32 on a CPU with the C++ stack, a GGUF whose blocks are not these weights, or DDTREE_GGUF_BLOCKS=0."""
-    if not enabled() or target.backend != "own" or target.stack is None or target.quant:
-        return False  # the generic transformers backend has no stack; a quant='gguf' target has its blocks already
-    if target.dtype != torch.float32:
-        return False
+def find(model, gguf_path: Path, conversion: Path) -> ExactBlocks | None:
+    """The exact GGUF blocks of a float32 reference target `model` (loaded from the conversion `conversion` of
+    `gguf_path`), from the cache or checked and cached now; None where the GGUF's blocks are not these weights."""
     key = cache_key(conversion)
-    blocks = _cached(key, len(target.model.layers)) if key is not None else None
+    blocks = _cached(key, len(model.model.layers)) if key is not None else None
     if blocks is None:
-        blocks = _extract(target, gguf_path)
+        blocks = _extract(model, gguf_path)
         if key is not None:
             _store(key, blocks)  # a file that does not match is remembered too, so it is read only once
     if blocks.head is None and all(q is None for qs in blocks.layers for q in qs):
-        return False
-    target.attach_blocks(blocks)
-    return True
+        return None
+    return blocks
 
 
 def cache_key(conversion: Path) -> dict | None:
