@@ -130,7 +130,7 @@ def convert_gguf(path: Path) -> Path:
             return out
         print(f"ddtree: the cached conversion {out} is damaged ({'; '.join(problems)}); converting again",
               file=sys.stderr, flush=True)
-    # Checked before the conversion's ~20 s, not after it.
+    # Checked before the conversion (tens of seconds), not after it.
     output_dir(cache_root(), "the model cache", "set DDTREE_CACHE to a writable directory")
     print(f"ddtree: converting {path.name} to safetensors (once; cached in {out})", file=sys.stderr, flush=True)
     model, tok = read_gguf(path)

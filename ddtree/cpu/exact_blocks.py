@@ -121,7 +121,7 @@ def _store(key: dict, blocks: ExactBlocks) -> None:
             save_file(tensors, str(tmp / "blocks.safetensors"), metadata={"key": json.dumps(key),
                                                                           "kinds": json.dumps(kinds)})
             seal(tmp, key=key)
-    except ConfigError as e:  # a read-only or full cache costs the next load the ~6 s again, nothing else
+    except ConfigError as e:  # a read-only or full cache costs the next load the check again, nothing else
         notice(f"{e} (the blocks are used now and checked again on the next load)")
 
 

@@ -112,6 +112,7 @@ class CPUTarget(_Wrapper):
         own(self, "blocks", blocks)  # exact_blocks.ExactBlocks or None
         self._build()
 
+    @torch.inference_mode(False)  # copies made during a pass (_follow_weights) stay ordinary tensors
     def _build(self) -> None:
         """The stack, the head and the guard, from the reference's current weights."""
         ref, kernel = self.reference, self.kernel
@@ -219,7 +220,7 @@ class CPUTarget(_Wrapper):
     def _follow_weights(self) -> None:
         """The stack and the head hold copies of the weights. A weight changed in place since (a test's surgery,
         load_state_dict) would leave 1-row and many-row passes on different values, and the method's tokens no
-        longer plain decoding's: re-make the copies then (a few us per pass for SmolLM2's 272 parameters)."""
+        longer plain decoding's: re-make the copies then (WeightsWatch: one C++ loop over the parameters)."""
         if self.watch is not None and self.watch.changed():
             self.blocks = None  # they were these weights' values, not the new ones'
             self._build()
@@ -251,6 +252,7 @@ class CPUDrafter(_Wrapper):
         object.__setattr__(self, "kernel", kernel)  # the compiled extension, or None (torch's matmuls)
         self._build()
 
+    @torch.inference_mode(False)  # copies made during a draft stay ordinary tensors
     def _build(self) -> None:
         ref, kernel = self.reference, self.kernel
         built = stack.build(ref.cfg.model, ref.layers, None, kernel) if kernel is not None else None
