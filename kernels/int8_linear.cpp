@@ -125,22 +125,101 @@ void quantize_spans(const float* x, int64_t M, int64_t K, bool q4_1, XSpan* out)
   }
 }
 
-// Sum of each of 8 vectors' 8 int32 lanes (p[t][b]: output t, block b) into [t0b0 .. t3b0 | t0b1 .. t3b1].
-// Integer sums: exact in any order.
-inline __m256i reduce_tile(const __m256i (&p)[NT][2]) {
-  const __m256i u = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0][0], p[1][0]), _mm256_hadd_epi32(p[2][0], p[3][0]));
-  const __m256i v = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0][1], p[1][1]), _mm256_hadd_epi32(p[2][1], p[3][1]));
-  // u = [t0..t3 of block 0, low halves | the same, high halves]; v likewise for block 1
+// Horizontal sums by unpacks and adds (hadd is a slower instruction on Zen 3); integer sums are exact in any order.
+// 32-bit units of p0..p3 -> [p0 p1 p2 p3 | p0 p1 p2 p3], each the sum of its vector's 4 units of that
+// 128-bit half (the add is per 16 bits for int16 pairs, per 32 for int32: ADD).
+template <__m256i (*ADD)(__m256i, __m256i)>
+inline __m256i sum4(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  const __m256i a = ADD(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));  // p0 p1 p0 p1
+  const __m256i b = ADD(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));  // p2 p3 p2 p3
+  return ADD(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+inline __m256i add16(__m256i a, __m256i b) { return _mm256_add_epi16(a, b); }
+inline __m256i add32(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+
+// Blocks 0 and 1 as [t0..t3 low halves | t0..t3 high halves] each -> [t0b0 .. t3b0 | t0b1 .. t3b1]
+inline __m256i merge_halves(__m256i u, __m256i v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u, v, 0x20), _mm256_permute2x128_si256(u, v, 0x31));
+}
+
+// int32 partial sums p[t][b] (output t, block b) -> [t0b0 .. t3b0 | t0b1 .. t3b1]
+inline __m256i reduce_tile(const __m256i (&p)[NT][2]) {
+  return merge_halves(sum4<add32>(p[0][0], p[1][0], p[2][0], p[3][0]), sum4<add32>(p[0][1], p[1][1], p[2][1], p[3][1]));
+}
+
+// acc + the 4-product sums of u8 x s8 per int32 lane
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if DDTREE_VNNI
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+#else
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
+
+// Eight x rows of one span, transposed for the row-group pass: lane i of q[b][j] is dword j (4 values) of block b
+// of row i, so one weight dword broadcast over the lanes meets the 8 rows' matching values. Rows past M are zero.
+struct alignas(64) XGroup {
+  int32_t q[2][8][8];  // [block][dword][row]
+  float dx[2][8];      // [block][row]
+  float sx[2][8];
+};
+
+// Transpose 8 x 8 int32: rows r[i] -> columns in r[j]
+inline void transpose8(__m256i (&r)[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);      // column 0 (low) and 4 (high) of rows i..i+3
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);  // columns 1, 5
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);  // columns 2, 6
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);  // columns 3, 7
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x20);
+    r[c + 4] = _mm256_permute2x128_si256(u[c], u[c + 4], 0x31);
+  }
+}
+
+// Rows [8g, 8g + 8) of the quantized spans xs [M, S] as groups xg [G, S]
+void group_rows(const XSpan* xs, int64_t M, int64_t S, int64_t G, XGroup* xg) {
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t s = 0; s < S; ++s) {
+      XGroup& o = xg[g * S + s];
+      for (int b = 0; b < 2; ++b) {
+        __m256i r[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t row = 8 * g + i;
+          r[i] = row < M ? _mm256_load_si256(reinterpret_cast<const __m256i*>(xs[row * S + s].q + QK * b))
+                         : _mm256_setzero_si256();
+          o.dx[b][i] = row < M ? xs[row * S + s].dx[4 * b] : 0.0f;
+          o.sx[b][i] = row < M ? xs[row * S + s].sx[4 * b] : 0.0f;
+        }
+        transpose8(r);
+        for (int j = 0; j < 8; ++j) _mm256_store_si256(reinterpret_cast<__m256i*>(o.q[b][j]), r[j]);
+      }
+    }
+  }
 }
 
 // One span of NT weight rows, ready for every x row: the u8 operands, (Q8_0) the signs, and the scales in the
 // tile's lanes.
-struct Tile {
-  __m256i u[NT][2];  // Q4_1: blocks 0 and 1 as B0, B1 (see the top); Q8_0: |q|
-  __m256i s[NT][2];  // Q8_0: q (its sign goes onto qx); unused for Q4_1
-  __m256 d, m;       // [t0b0 .. t3b0 | t0b1 .. t3b1]; m only for Q4_1
+struct alignas(32) Tile {
+  int32_t u[NT][2][8];  // Q4_1: blocks 0 and 1 as B0, B1 (see the top); Q8_0: |q|
+  int32_t s[NT][2][8];  // Q8_0: q (its sign goes onto qx); unused for Q4_1
+  float d[8], m[8];     // [t0b0 .. t3b0 | t0b1 .. t3b1]; m only for Q4_1
+  inline __m256i U(int t, int b) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(u[t][b])); }
+  inline __m256i S(int t, int b) const { return _mm256_load_si256(reinterpret_cast<const __m256i*>(s[t][b])); }
 };
+
+inline void store(int32_t* p, __m256i v) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), v); }
+inline __m256i load(const int32_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
 
 struct Q4_1 {
   const char* spans;  // [N, K / 64] spans of 40 bytes
@@ -152,15 +231,15 @@ struct Q4_1 {
     _mm_prefetch(at(row, s), _MM_HINT_T0);
     _mm_prefetch(at(row, s) + SPAN_BYTES - 1, _MM_HINT_T0);
   }
-  inline void load(const int64_t (&rows)[NT], int64_t s, Tile& w) const {
+  inline void load_tile(const int64_t (&rows)[NT], int64_t s, Tile& w) const {
     const __m256i lowmask = _mm256_set1_epi8(0x0F);
     __m128i sc[NT];
     for (int t = 0; t < NT; ++t) {
       const char* p = at(rows[t], s);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       const __m256i lo = _mm256_and_si256(v, lowmask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lowmask);
-      w.u[t][0] = _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA);
-      w.u[t][1] = _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA);
+      store(w.u[t][0], _mm256_blend_epi16(lo, _mm256_slli_epi32(hi, 16), 0xAA));
+      store(w.u[t][1], _mm256_blend_epi16(_mm256_srli_epi32(lo, 16), hi, 0xAA));
       sc[t] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 32));  // fp16 d0 m0 d1 m1
     }
     // fp16 words [d0 m0 d1 m1] per output -> d = [d0 of t0..t3, d1 of t0..t3], m likewise
@@ -169,18 +248,45 @@ struct Q4_1 {
     const __m128i split = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     const __m128i b0 = _mm_shuffle_epi8(_mm_unpacklo_epi64(a, b), split);  // d0 t0..t3, m0 t0..t3
     const __m128i b1 = _mm_shuffle_epi8(_mm_unpackhi_epi64(a, b), split);  // d1 t0..t3, m1 t0..t3
-    w.d = _mm256_cvtph_ps(_mm_unpacklo_epi64(b0, b1));
-    w.m = _mm256_cvtph_ps(_mm_unpackhi_epi64(b0, b1));
+    _mm256_store_ps(w.d, _mm256_cvtph_ps(_mm_unpacklo_epi64(b0, b1)));
+    _mm256_store_ps(w.m, _mm256_cvtph_ps(_mm_unpackhi_epi64(b0, b1)));
   }
-  static inline __m256i isums(const Tile& w, const XSpan& x) {
-    const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q));
-    const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q + QK));
+  // One x row against the tile: isum lanes [t0b0 .. t3b0 | t0b1 .. t3b1]
+  static inline __m256i row_isums(const Tile& w, const XSpan& x) {
+    const __m256i x0 = load(reinterpret_cast<const int32_t*>(x.q));
+    const __m256i x1 = load(reinterpret_cast<const int32_t*>(x.q + QK));
+#if DDTREE_VNNI
     __m256i p[NT][2];
     for (int t = 0; t < NT; ++t) {
-      p[t][0] = dot_u8s8(w.u[t][0], x0);
-      p[t][1] = dot_u8s8(w.u[t][1], x1);
+      p[t][0] = dot_u8s8(w.U(t, 0), x0);
+      p[t][1] = dot_u8s8(w.U(t, 1), x1);
     }
     return reduce_tile(p);
+#else
+    // maddubs pairs (<= 2 * 15 * 127) summed 4 at a time in int16 (<= 15240), widened once per block
+    __m256i q[NT][2];
+    for (int t = 0; t < NT; ++t) {
+      q[t][0] = _mm256_maddubs_epi16(w.U(t, 0), x0);
+      q[t][1] = _mm256_maddubs_epi16(w.U(t, 1), x1);
+    }
+    const __m256i one = _mm256_set1_epi16(1);
+    return merge_halves(_mm256_madd_epi16(sum4<add16>(q[0][0], q[1][0], q[2][0], q[3][0]), one),
+                        _mm256_madd_epi16(sum4<add16>(q[0][1], q[1][1], q[2][1], q[3][1]), one));
+#endif
+  }
+  // Eight x rows against output t, block b: isum per row (lane). Without VNNI the maddubs pairs (<= 2 * 15 * 127)
+  // are summed 8 at a time in int16 (<= 30480 < 2^15), then widened once.
+  static inline __m256i group_isums(const Tile& w, int t, int b, const __m256i (&xq)[8]) {
+#if DDTREE_VNNI
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) acc = dot_acc(acc, _mm256_set1_epi32(w.u[t][b][j]), xq[j]);
+    return acc;
+#else
+    __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi32(w.u[t][b][0]), xq[0]);
+    for (int j = 1; j < 8; ++j)
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_set1_epi32(w.u[t][b][j]), xq[j]));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
   }
 };
 
@@ -193,59 +299,110 @@ struct Q8_0 {
     _mm_prefetch(reinterpret_cast<const char*>(qs + row * k + 64 * s), _MM_HINT_T0);
     if (s % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(dq + row * (k / QK) + 2 * s), _MM_HINT_T0);
   }
-  inline void load(const int64_t (&rows)[NT], int64_t s, Tile& w) const {
+  inline void load_tile(const int64_t (&rows)[NT], int64_t s, Tile& w) const {
     __m128 sc[NT];
     for (int t = 0; t < NT; ++t) {
       const int8_t* p = qs + rows[t] * k + 64 * s;
       for (int b = 0; b < 2; ++b) {
-        w.s[t][b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + QK * b));
-        w.u[t][b] = _mm256_abs_epi8(w.s[t][b]);  // -128 -> 0x80, read as unsigned 128
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + QK * b));
+        store(w.s[t][b], q);
+        store(w.u[t][b], _mm256_abs_epi8(q));  // -128 -> 0x80, read as unsigned 128
       }
       sc[t] = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dq + rows[t] * (k / QK) + 2 * s)));
     }
     const __m128 a = _mm_unpacklo_ps(sc[0], sc[1]);  // d0 t0, d0 t1, d1 t0, d1 t1
     const __m128 b = _mm_unpacklo_ps(sc[2], sc[3]);
-    w.d = _mm256_set_m128(_mm_movehl_ps(b, a), _mm_movelh_ps(a, b));
-    w.m = _mm256_setzero_ps();
+    _mm256_store_ps(w.d, _mm256_set_m128(_mm_movehl_ps(b, a), _mm_movelh_ps(a, b)));
+    _mm256_store_ps(w.m, _mm256_setzero_ps());
   }
-  static inline __m256i isums(const Tile& w, const XSpan& x) {
-    const __m256i x0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q));
-    const __m256i x1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(x.q + QK));
+  static inline __m256i row_isums(const Tile& w, const XSpan& x) {
+    const __m256i x0 = load(reinterpret_cast<const int32_t*>(x.q));
+    const __m256i x1 = load(reinterpret_cast<const int32_t*>(x.q + QK));
     __m256i p[NT][2];
     for (int t = 0; t < NT; ++t) {
-      p[t][0] = dot_u8s8(w.u[t][0], _mm256_sign_epi8(x0, w.s[t][0]));
-      p[t][1] = dot_u8s8(w.u[t][1], _mm256_sign_epi8(x1, w.s[t][1]));
+      p[t][0] = dot_u8s8(w.U(t, 0), _mm256_sign_epi8(x0, w.S(t, 0)));
+      p[t][1] = dot_u8s8(w.U(t, 1), _mm256_sign_epi8(x1, w.S(t, 1)));
     }
     return reduce_tile(p);
   }
+  // Eight x rows against output t, block b (maddubs pairs reach 2 * 128 * 127: widened per product pair)
+  static inline __m256i group_isums(const Tile& w, int t, int b, const __m256i (&xq)[8]) {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j)
+      acc = dot_acc(acc, _mm256_set1_epi32(w.u[t][b][j]),
+                    _mm256_sign_epi8(xq[j], _mm256_set1_epi32(w.s[t][b][j])));
+    return acc;
+  }
 };
 
-// Outputs [n0, n0 + NT) for all M rows: acc [M, NT] running sums. Outputs past N (the last tile) repeat row N - 1
-// and are not stored; every lane's arithmetic is its own, so the stored ones are unaffected.
+// The float step shared by both loops (same operations, so the same bits): term = (dw * dx) * isum [+ mw * sx]
+template <bool HAS_M>
+inline __m256 term(__m256 dw, __m256 dx, __m256 isum, __m256 mw, __m256 sx) {
+  const __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, dx), isum);
+  return HAS_M ? _mm256_add_ps(t, _mm256_mul_ps(mw, sx)) : t;
+}
+
+// Block b of eight x rows (one group) against the tile's NT outputs: acc[t] (lanes = rows) += term. The group's
+// x vectors stay in registers across the outputs; each weight dword is broadcast from the tile.
 template <class Q>
-void tile(const Q& q, int64_t n0, const XSpan* xs, int64_t M, float* y, float* acc) {
+inline void group_block(const Tile& w, int b, const XGroup& x, __m256* acc) {
+  __m256i xq[8];
+  for (int j = 0; j < 8; ++j) xq[j] = load(x.q[b][j]);
+  const __m256 dx = _mm256_load_ps(x.dx[b]), sx = _mm256_load_ps(x.sx[b]);
+  for (int t = 0; t < NT; ++t) {
+    const __m256 isum = _mm256_cvtepi32_ps(Q::group_isums(w, t, b, xq));  // exact: |isum| < 2^24
+    acc[t] = _mm256_add_ps(acc[t], term<Q::HAS_M>(_mm256_set1_ps(w.d[4 * b + t]), dx, isum,
+                                                  _mm256_set1_ps(w.m[4 * b + t]), sx));
+  }
+}
+
+// Outputs [n0, n0 + NT) for all M rows: rows [0, 8G) in G row groups (lanes = rows, accumulators gacc [G, NT]),
+// rows [8G, M) one at a time (lanes = outputs x blocks, accumulators acc [M, NT]). Both loops run the same float
+// operations per output in the same order, so a row's bits do not depend on the loop that computed it. Outputs
+// past N (the last tile) repeat row N - 1 and are not stored; every lane's arithmetic is its own.
+template <class Q>
+void tile(const Q& q, int64_t n0, const XSpan* xs, const XGroup* xg, int64_t M, int64_t G, float* y, float* acc,
+          __m256* gacc) {
   const int64_t S = q.k / 64, N = q.n;
   int64_t rows[NT];
   for (int t = 0; t < NT; ++t) rows[t] = n0 + t < N ? n0 + t : N - 1;
   std::memset(acc, 0, sizeof(float) * M * NT);
+  for (int64_t i = 0; i < G * NT; ++i) gacc[i] = _mm256_setzero_ps();
   Tile w;
   for (int64_t s = 0; s < S; ++s) {
     for (int t = 0; t < NT; ++t) q.prefetch(rows[t] + PREFETCH_ROWS, s);  // never faults: past the end is harmless
-    q.load(rows, s, w);
-    for (int64_t r = 0; r < M; ++r) {
+    q.load_tile(rows, s, w);
+    for (int64_t g = 0; g < G; ++g)
+      for (int b = 0; b < 2; ++b) group_block<Q>(w, b, xg[g * S + s], gacc + g * NT);  // block 0, then block 1
+    for (int64_t r = 8 * G; r < M; ++r) {
       const XSpan& x = xs[r * S + s];
-      const __m256 isum = _mm256_cvtepi32_ps(Q::isums(w, x));  // exact: |isum| < 2^24
-      __m256 term = _mm256_mul_ps(_mm256_mul_ps(w.d, _mm256_load_ps(x.dx)), isum);
-      if (Q::HAS_M) term = _mm256_add_ps(term, _mm256_mul_ps(w.m, _mm256_load_ps(x.sx)));
+      const __m256 isum = _mm256_cvtepi32_ps(Q::row_isums(w, x));  // exact: |isum| < 2^24
+      const __m256 tm = term<Q::HAS_M>(_mm256_load_ps(w.d), _mm256_load_ps(x.dx), isum, _mm256_load_ps(w.m),
+                                       _mm256_load_ps(x.sx));
       __m128 a = _mm_loadu_ps(acc + NT * r);
-      a = _mm_add_ps(a, _mm256_castps256_ps128(term));    // block 0
-      a = _mm_add_ps(a, _mm256_extractf128_ps(term, 1));  // then block 1
+      a = _mm_add_ps(a, _mm256_castps256_ps128(tm));    // block 0
+      a = _mm_add_ps(a, _mm256_extractf128_ps(tm, 1));  // then block 1
       _mm_storeu_ps(acc + NT * r, a);
     }
   }
-  for (int64_t r = 0; r < M; ++r)
+  for (int64_t g = 0; g < G; ++g) {
+    for (int t = 0; t < NT && n0 + t < N; ++t) {
+      alignas(32) float lane[8];
+      _mm256_store_ps(lane, gacc[g * NT + t]);
+      for (int i = 0; i < 8 && 8 * g + i < M; ++i) y[(8 * g + i) * N + n0 + t] = lane[i];
+    }
+  }
+  for (int64_t r = 8 * G; r < M; ++r)
     for (int t = 0; t < NT && n0 + t < N; ++t) y[r * N + n0 + t] = acc[NT * r + t];
 }
+
+// Row groups of 8 for M rows: a remainder of GROUP_MIN_REMAINDER rows or more gets a padded group, fewer go one at
+// a time (a row-group pass costs about as much whatever the number of its rows).
+constexpr int64_t GROUP_MIN_REMAINDER = 2;
+
+struct alignas(32) Lanes {
+  float v[8];
+};
 
 template <class Q>
 torch::Tensor run(const Q& q, const torch::Tensor& x) {
@@ -254,11 +411,16 @@ torch::Tensor run(const Q& q, const torch::Tensor& x) {
   if (M == 0 || N == 0) return y;
   std::vector<XSpan> xs(M * S);  // XSpan is 64-byte aligned: std::vector honours it (C++17 aligned new)
   quantize_spans(x.data_ptr<float>(), M, K, Q::HAS_M, xs.data());
+  const int64_t G = M / 8 + (M % 8 >= GROUP_MIN_REMAINDER ? 1 : 0);
+  std::vector<XGroup> xg(G * S);
+  group_rows(xs.data(), M, S, G, xg.data());
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + NT - 1) / NT;
   at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
     std::vector<float> acc(M * NT);
-    for (int64_t i = i0; i < i1; ++i) tile(q, i * NT, xs.data(), M, yp, acc.data());
+    std::vector<Lanes> gacc(G * NT);  // __m256 is may_alias: read and written as such
+    for (int64_t i = i0; i < i1; ++i)
+      tile(q, i * NT, xs.data(), xg.data(), M, G, yp, acc.data(), reinterpret_cast<__m256*>(gacc.data()));
   });
   return y;
 }
