@@ -368,10 +368,14 @@ void tile(const Q& q, int64_t n0, const XSpan* xs, const XGroup* xg, int64_t M, 
   for (int t = 0; t < NT; ++t) rows[t] = n0 + t < N ? n0 + t : N - 1;
   std::memset(acc, 0, sizeof(float) * M * NT);
   for (int64_t i = 0; i < G * NT; ++i) gacc[i] = _mm256_setzero_ps();
-  Tile w;
+  // The tile of span s + 1 is prepared before span s is multiplied: its scales and dwords are read back as
+  // scalars and broadcasts, which a load can take from a store only once the store has left the core's buffers.
+  Tile tiles[2];
+  q.load_tile(rows, 0, tiles[0]);
   for (int64_t s = 0; s < S; ++s) {
     for (int t = 0; t < NT; ++t) q.prefetch(rows[t] + PREFETCH_ROWS, s);  // never faults: past the end is harmless
-    q.load_tile(rows, s, w);
+    if (s + 1 < S) q.load_tile(rows, s + 1, tiles[(s + 1) & 1]);
+    const Tile& w = tiles[s & 1];
     for (int64_t g = 0; g < G; ++g)
       for (int b = 0; b < 2; ++b) group_block<Q>(w, b, xg[g * S + s], gacc + g * NT);  // block 0, then block 1
     for (int64_t r = 8 * G; r < M; ++r) {
@@ -398,7 +402,7 @@ void tile(const Q& q, int64_t n0, const XSpan* xs, const XGroup* xg, int64_t M, 
 
 // Row groups of 8 for M rows: a remainder of GROUP_MIN_REMAINDER rows or more gets a padded group, fewer go one at
 // a time (a row-group pass costs about as much whatever the number of its rows).
-constexpr int64_t GROUP_MIN_REMAINDER = 2;
+constexpr int64_t GROUP_MIN_REMAINDER = 5;
 
 struct alignas(32) Lanes {
   float v[8];
