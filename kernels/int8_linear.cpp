@@ -40,20 +40,45 @@ constexpr int64_t QK = 32;             // values per block
 constexpr int NT = 4;                  // outputs per tile: lanes [t0b0 t1b0 t2b0 t3b0 | t0b1 t1b1 t2b1 t3b1]
 constexpr int64_t PREFETCH_ROWS = 16;  // prefetch distance in weight rows (as kernels/qlinear.cpp)
 
+// dpbusd: acc + the sums of 4 products u8 x s8 per int32 lane. DDTREE_EMULATE_VNNI (tests only) runs the VNNI
+// code paths on AVX2 with maddubs + madd in its place, equal for this kernel's operands (nothing saturates, below).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DDTREE_VNNI 1
-inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#define DDTREE_ISA "avx512vnni"
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
 #define DDTREE_VNNI 1
-inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#define DDTREE_ISA "avxvnni"
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#elif defined(DDTREE_EMULATE_VNNI)
+#define DDTREE_VNNI 1
+#define DDTREE_ISA "vnni-emulated"
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
 #else
 #define DDTREE_VNNI 0
-// 8 int32 partial sums of 32 products u8 x s8 (4 per lane). The int16 pairs of maddubs stay below 2^15 for both
-// kinds (15 * 127 * 2 and 128 * 127 * 2), so nothing saturates.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
+#define DDTREE_ISA "avx2"
 #endif
+
+// 8 int32 partial sums of 32 products u8 x s8 (4 per lane). Without VNNI: maddubs, whose int16 pairs stay below
+// 2^15 for both kinds (15 * 127 * 2 and 128 * 127 * 2), so nothing saturates; then madd widens them.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if DDTREE_VNNI
+  return dpbusd(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// acc + dot_u8s8(u, s)
+inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
+#if DDTREE_VNNI
+  return dpbusd(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, dot_u8s8(u, s));
+#endif
+}
 
 // One quantized x row's span of 64 values, as the passes read it: the int8 values (natural order for Q8_0, the
 // Q4_1 order described at the top for Q4_1), then dx and sx of its two blocks, each repeated over 4 lanes to
@@ -145,19 +170,6 @@ inline __m256i merge_halves(__m256i u, __m256i v) {
 // int32 partial sums p[t][b] (output t, block b) -> [t0b0 .. t3b0 | t0b1 .. t3b1]
 inline __m256i reduce_tile(const __m256i (&p)[NT][2]) {
   return merge_halves(sum4<add32>(p[0][0], p[1][0], p[2][0], p[3][0]), sum4<add32>(p[0][1], p[1][1], p[2][1], p[3][1]));
-}
-
-// acc + the 4-product sums of u8 x s8 per int32 lane
-inline __m256i dot_acc(__m256i acc, __m256i u, __m256i s) {
-#if DDTREE_VNNI
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#endif
-#else
-  return _mm256_add_epi32(acc, dot_u8s8(u, s));
-#endif
 }
 
 // Eight x rows of one span, transposed for the row-group pass: lane i of q[b][j] is dword j (4 values) of block b
@@ -488,4 +500,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q8_0_linear", &q8_0_linear, "x [M, K] @ W^T with int8 activations, W in Q8_0 blocks (qs [N, K], d)");
   mod.def("quantize_rows", &quantize_rows, "x [M, K] -> (qx int8 [M, K], dx [M, K / 32], sx [M, K / 32])");
   mod.attr("vnni") = bool(DDTREE_VNNI);
+  mod.attr("isa") = DDTREE_ISA;
 }

@@ -130,6 +130,25 @@ def test_close_to_the_float_product(weights, kind, n, k):
     assert 1e-3 < error < 1e-2, error
 
 
+# --- the VNNI code paths ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # a second build of the extension (cached after the first run)
+def test_vnni_code_paths_give_the_same_bits(weights):
+    """The VNNI build's loops (dpbusd in place of maddubs + madd), run here with dpbusd emulated: the same bits as the
+    AVX2 build. (A real avx512vnni / avxvnni build runs the same code with the instruction.)"""
+    emulated = int8.build("vnni-emulated")
+    assert emulated.vnni and emulated.isa == "vnni-emulated"
+    for kind in KINDS:
+        w = weights(kind, 67, 576)
+        for m in (1, 3, 8, 9, 17):
+            x = activations(m, 576, seed=m)
+            want = int8.int8_linear(x, w)
+            if kind == "Q4_1":
+                got = emulated.q4_1_linear(x, w.qs)
+            else:
+                got = emulated.q8_0_linear(x, w.qs, w.d)
+            assert torch.equal(got, want), (kind, m)
+
+
 # --- (e) errors -------------------------------------------------------------------------------------------------
 def test_clear_errors(weights):
     w = weights("Q4_1", 67, 576)

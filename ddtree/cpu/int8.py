@@ -15,6 +15,7 @@ A row's result does not depend on the other rows of the pass or on the thread sp
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,9 +25,16 @@ from ..kernels import SOURCE_DIR
 from ..knobs import env_choice
 from ..qlinear import BLOCK, ISAS, SPAN_WORDS, QWeight, compile_extension
 
-ISA_BUILDS = ("avx2", "vnni")  # vnni: AVX-512 VNNI's 256-bit dpbusd; same bits as avx2 (integer sums are exact)
+# The builds: avx2 (maddubs + madd), avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI
+# code paths with maddubs + madd in dpbusd's place: tests them on AVX2 machines). All give the same bits: the
+# integer sums are exact and the float operations are the same.
+ISA_FLAGS = {
+    "avx2": [],
+    "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
+    "avxvnni": ["-mavxvnni"],
+    "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
+}
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
-VNNI_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"]
 
 
 def _cpu_flags() -> set[str]:
@@ -40,31 +48,42 @@ def _cpu_flags() -> set[str]:
 
 
 def kernel_isa() -> str:
-    """"vnni" where torch reports AVX512 and the CPU has avx512_vnni (and VL), else "avx2"; DDTREE_CPU_ISA=avx2
-    forces the AVX2 build (as for ddtree.qlinear's kernel)."""
+    """"avx512vnni" where torch reports AVX512 and the CPU has avx512_vnni (and VL), "avxvnni" where it has avx_vnni,
+    else "avx2"; DDTREE_CPU_ISA=avx2 forces the AVX2 build (as for ddtree.qlinear's kernel)."""
     if env_choice("DDTREE_CPU_ISA", ISAS) == "avx2":
         return "avx2"
-    if torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512_vnni", "avx512vl"} <= _cpu_flags():
-        return "vnni"
+    flags = _cpu_flags()
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512vnni"
+    if "avx_vnni" in flags:
+        return "avxvnni"
     return "avx2"
 
 
 @functools.cache
 def build(isa: str = "avx2"):
     """The compiled extension (once, cached under DDTREE_CACHE/kernels by qlinear.compile_extension)."""
-    if isa not in ISA_BUILDS:
-        raise ValueError(f"isa must be one of {ISA_BUILDS}, got {isa!r}")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {tuple(ISA_FLAGS)}, got {isa!r}")
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise ConfigError(f"the int8-activation kernel needs an x86 CPU with AVX2 (torch reports {capability!r})")
-    flags = BASE_FLAGS + (VNNI_FLAGS if isa == "vnni" else [])
-    return compile_extension("ddtree_int8" + ("" if isa == "avx2" else "_" + isa), [SOURCE_DIR / "int8_linear.cpp"],
-                             flags, f"the int8-activation CPU kernel for {isa}")
+    name = "ddtree_int8" + ("" if isa == "avx2" else "_" + isa.replace("-", "_"))
+    return compile_extension(name, [SOURCE_DIR / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
+                             f"the int8-activation CPU kernel for {isa}")
 
 
 @functools.cache
 def kernel():
-    return build(kernel_isa())
+    """The build for this CPU (kernel_isa()); where a VNNI build fails (an older compiler), the AVX2 one, with a
+    warning."""
+    isa = kernel_isa()
+    if isa != "avx2":
+        try:
+            return build(isa)
+        except ConfigError as e:
+            warnings.warn(f"ddtree: the {isa} build of the int8 kernel failed, using the AVX2 build ({e})", stacklevel=2)
+    return build("avx2")
 
 
 def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> torch.Tensor:
