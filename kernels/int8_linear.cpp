@@ -4,6 +4,7 @@
 // 1. Each x row is quantized per block of 32 (llama.cpp's Q8_0 / Q8_1 activations, its AVX2 rounding):
 //      amax = max |x|, id = amax != 0 ? 127 / amax : 0, qx = round_half_even(x * id) (int8),
 //      dx = amax / 127, sx = dx * float(sum qx)                         (float32, each one rounding)
+//    dx and sx stay float32 (llama.cpp stores them as fp16). x must be finite.
 // 2. Per (row, output, block) the integer dot isum = sum qw * qx, exact in int32 (|isum| <= 32 * 128 * 127 < 2^24,
 //    so float(isum) is exact too), then in float32, one rounding per operation (no FMA):
 //      Q8_0: term = (dw * dx) * isum
@@ -13,7 +14,12 @@
 //    (ddtree/cpu/int8.py's int8_linear_reference is this arithmetic in plain torch).
 //
 // The weights are read once per pass for all M rows: a tile of NT = 4 outputs is prepared span by span (64
-// weights: two blocks) into registers / a small stack buffer, then every x row is multiplied against it.
+// weights: two blocks) into a small stack buffer (Tile), then every x row is multiplied against it, by one of two
+// loops that run the same float operations per output:
+//   - rows one at a time: lanes = 4 outputs x 2 blocks; each (output, block) product vector is summed across
+//     lanes by unpacks and adds;
+//   - groups of 8 rows: lanes = rows; each weight dword (4 weights) is broadcast against the 8 rows' matching
+//     dwords (the x rows transposed, XGroup), so the sums need no horizontal step.
 // Integer products: AVX2 maddubs (u8 x s8 -> pairs summed in int16) + madd (-> int32), or with AVX-512 VNNI /
 // AVX-VNNI one dpbusd (u8 x s8, 4 products summed into int32). Q4_1 nibbles are unsigned; Q8_0 weights are signed,
 // so their absolute value meets qx carrying the weight's sign (|w| <= 128, |qx| <= 127: the int16 pairs of maddubs
@@ -23,7 +29,7 @@
 // byte b holds nibbles 2b (low) and 2b + 1 (high). Blending low and high nibbles at 16-bit granularity gives
 //   B0 = [lo.b0, lo.b1, hi.b0, hi.b1] per lane = weights 8 * {0, 2, 1, 3} + l   (block 0)
 //   B1 = [lo.b2, lo.b3, hi.b2, hi.b3] per lane = weights 8 * {4, 6, 5, 7} + l   (block 1)
-// so the quantized x rows are stored for the Q4_1 pass in that order (XS_ORDER below); the exposed
+// so the quantized x rows are stored for the Q4_1 passes in that order (pack_q4_1_order); the exposed
 // quantize_rows returns the natural order.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -239,8 +245,10 @@ struct Q4_1 {
   static constexpr bool HAS_M = true;
   static constexpr int64_t SPAN_BYTES = 40;
   inline const char* at(int64_t row, int64_t s) const { return spans + (row * (k / 64) + s) * SPAN_BYTES; }
-  inline void prefetch(int64_t row, int64_t s) const {  // a span may straddle two cache lines
-    _mm_prefetch(at(row, s), _MM_HINT_T0);
+  // A span may straddle two cache lines; a row's spans are contiguous, so its last byte's line (and at s == 0
+  // the first's) covers them all.
+  inline void prefetch(int64_t row, int64_t s) const {
+    if (s == 0) _mm_prefetch(at(row, s), _MM_HINT_T0);
     _mm_prefetch(at(row, s) + SPAN_BYTES - 1, _MM_HINT_T0);
   }
   inline void load_tile(const int64_t (&rows)[NT], int64_t s, Tile& w) const {

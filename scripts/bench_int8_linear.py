@@ -73,7 +73,7 @@ def main():
         "float (qlinear.q4_1_linear)": lambda x, w: qlinear.kernel().q4_1_linear(x, w.qs),
     }
     print(f"machine: {machine()}")
-    print(f"torch {torch.__version__}, {args.threads} threads, int8 build {int8.kernel_isa()}, "
+    print(f"torch {torch.__version__}, {args.threads} threads, int8 build {int8.kernel().isa}, "
           f"qlinear build {qlinear.kernel_isa()}; stack: {LAYERS} x (qkv, o, gate_up, down) Q4_1, {mb:.1f} MB")
     # round robin over (kernel, M), so that a load from another process spreads over all of them; the minimum
     # over the repetitions is the figure least disturbed by it (the median is printed too)
