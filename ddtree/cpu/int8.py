@@ -1,0 +1,166 @@
+"""Quantized linear layers with INTEGER activations: llama.cpp's CPU arithmetic (issue 35's groundwork).
+
+ddtree.qlinear multiplies float activations by weights dequantized in registers; llama.cpp instead quantizes each
+activation row per block of 32 to int8 (its Q8_0 / Q8_1 activations) and takes integer dot products per block, then
+scales them in float. That is a different model numerically (relative error a few 1e-3 against the float product)
+but cheaper per row, which is what a wide verify pass needs. kernels/int8_linear.cpp is the kernel (its top comment
+states the arithmetic); this module builds it and holds a plain-torch reference of the same arithmetic, bit for bit:
+
+    quantize_rows(x)               x [M, K] -> qx int8 [M, K], dx, sx float32 [M, K / 32]
+    int8_linear(x, qweight)        x [M, K] float32 @ W^T -> y [M, N] float32, W a QWeight (Q4_1 or Q8_0)
+    int8_linear_reference(x, qweight), quantize_rows_reference(x): the same in torch (for tests)
+
+A row's result does not depend on the other rows of the pass or on the thread split (one float chain per output).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..config import ConfigError
+from ..kernels import SOURCE_DIR
+from ..knobs import env_choice
+from ..qlinear import BLOCK, ISAS, SPAN_WORDS, QWeight, compile_extension
+
+# The builds: avx2 (maddubs + madd), avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI
+# code paths with maddubs + madd in dpbusd's place: tests them on AVX2 machines). All give the same bits: the
+# integer sums are exact and the float operations are the same.
+ISA_FLAGS = {
+    "avx2": [],
+    "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
+    "avxvnni": ["-mavxvnni"],
+    "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
+}
+BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def kernel_isa() -> str:
+    """"avx512vnni" where torch reports AVX512 and the CPU has avx512_vnni (and VL), "avxvnni" where it has avx_vnni,
+    else "avx2"; DDTREE_CPU_ISA=avx2 forces the AVX2 build (as for ddtree.qlinear's kernel)."""
+    if env_choice("DDTREE_CPU_ISA", ISAS) == "avx2":
+        return "avx2"
+    flags = _cpu_flags()
+    if torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512vnni"
+    if "avx_vnni" in flags:
+        return "avxvnni"
+    return "avx2"
+
+
+@functools.cache
+def build(isa: str = "avx2"):
+    """The compiled extension (once, cached under DDTREE_CACHE/kernels by qlinear.compile_extension)."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {tuple(ISA_FLAGS)}, got {isa!r}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        raise ConfigError(f"the int8-activation kernel needs an x86 CPU with AVX2 (torch reports {capability!r})")
+    name = "ddtree_int8" + ("" if isa == "avx2" else "_" + isa.replace("-", "_"))
+    return compile_extension(name, [SOURCE_DIR / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
+                             f"the int8-activation CPU kernel for {isa}")
+
+
+@functools.cache
+def kernel():
+    """The build for this CPU (kernel_isa()); where a VNNI build fails (an older compiler), the AVX2 one, with a
+    warning."""
+    isa = kernel_isa()
+    if isa != "avx2":
+        try:
+            return build(isa)
+        except ConfigError as e:
+            warnings.warn(f"ddtree: the {isa} build of the int8 kernel failed, using the AVX2 build ({e})", stacklevel=2)
+    return build("avx2")
+
+
+def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        raise TypeError(f"x must be a float32 CPU tensor [M, K], got {getattr(x, 'dtype', type(x))} "
+                        f"{tuple(getattr(x, 'shape', ()))}")
+    if k is not None and x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} columns; the weight has K = {k}")
+    if x.shape[1] % multiple:
+        raise ValueError(f"K must be a multiple of {multiple}, got {x.shape[1]}")
+    return x.contiguous()
+
+
+def _check_weight(qweight) -> tuple[int, int]:
+    if not isinstance(qweight, QWeight):
+        raise TypeError(f"qweight must be a ddtree.qlinear.QWeight, got {type(qweight).__name__}")
+    n, k = qweight.shape
+    if k % 64:
+        raise ValueError(f"the kernel needs K % 64 == 0, got a {qweight.kind} weight {(n, k)}")
+    return n, k
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x float32 [M, K] (K % 32 == 0) -> (qx int8 [M, K], dx float32 [M, K / 32], sx float32 [M, K / 32]), as the
+    kernel quantizes its activations: per block amax = max |x|, qx = round_half_even(x * (127 / amax)) (0 where
+    amax == 0), dx = amax / 127, sx = dx * sum(qx)."""
+    return tuple(kernel().quantize_rows(_check_x(x)))
+
+
+def int8_linear(x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
+    """y [M, N] float32 = x [M, K] float32 @ W^T with int8 activations (llama.cpp's arithmetic, see the module)."""
+    _, k = _check_weight(qweight)
+    x = _check_x(x, k)
+    if qweight.kind == "Q4_1":
+        return kernel().q4_1_linear(x, qweight.qs.contiguous())
+    return kernel().q8_0_linear(x, qweight.qs.contiguous(), qweight.d.contiguous())
+
+
+# --- the reference: the same arithmetic in plain torch ------------------------------------------------------------
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rows in torch ops, each float32 operation rounded once as in the kernel."""
+    x = _check_x(x)
+    m, k = x.shape
+    xb = x.view(m, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1)  # [M, K / 32]
+    # torch.div on two tensors: `127.0 / amax` would be reciprocal() * 127 in torch, two roundings
+    inv = torch.where(amax != 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])  # half to even, as _mm256_round_ps
+    dx = torch.div(amax, torch.full_like(amax, 127.0))
+    sx = dx * q.sum(-1)  # the integer sum is exact in float32 (|sum| <= 32 * 127)
+    return q.to(torch.int8).reshape(m, k), dx, sx
+
+
+def weight_ints(qweight: QWeight) -> torch.Tensor:
+    """The weight's integers q [N, K] in natural order: Q4_1 nibbles 0..15 (w = d q + m), Q8_0 int8 (w = d q)."""
+    n, k = qweight.shape
+    if qweight.kind == "Q8_0":
+        return qweight.qs
+    lanes = qweight.qs.view(n, k // 64, SPAN_WORDS)[..., None, :8]  # [N, K/64, 1, 8 lanes l]
+    q = (lanes >> (4 * torch.arange(8)).view(8, 1)) & 0x0F  # [N, K/64, 8 g, 8 l]: weight 8g + l
+    return q.reshape(n, k).to(torch.int8)
+
+
+def int8_linear_reference(x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
+    """int8_linear in torch ops, bit for bit: per block the exact integer dot, then per output the float chain
+    acc = acc + ((dw * dx) * isum [+ mw * sx]) over the blocks in order."""
+    n, k = _check_weight(qweight)
+    x = _check_x(x, k)
+    qx, dx, sx = quantize_rows_reference(x)
+    qw = weight_ints(qweight)
+    dw, mw = qweight.scales()
+    acc = torch.zeros(x.shape[0], n)
+    for b in range(k // BLOCK):
+        cols = slice(BLOCK * b, BLOCK * (b + 1))
+        isum = (qx[:, cols].double() @ qw[:, cols].double().T).float()  # exact: integers far below 2^53 (and 2^24)
+        term = (dx[:, b, None] * dw[None, :, b]) * isum
+        if mw is not None:
+            term = term + sx[:, b, None] * mw[None, :, b]
+        acc = acc + term
+    return acc

@@ -1,0 +1,175 @@
+"""The int8-activation kernel (kernels/int8_linear.cpp, ddtree.cpu.int8): its quantization and its products equal
+the plain-torch reference bit for bit, a row's result does not depend on the other rows or the threads, and the
+result is close to the float product."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddtree.cpu import int8
+from ddtree.qlinear import QWeight
+
+# SmolLM2-135M's projections (N, K): qkv fused, o, gate/up fused, down; and odd N
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (67, 576), (1, 64), (5, 128)]
+KINDS = ("Q4_1", "Q8_0")
+
+pytestmark = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                                reason="the kernel needs AVX2")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """QWeights by (kind, N, K), quantized once by gguf-py from a seeded random float weight."""
+    gen = torch.Generator().manual_seed(0)
+    cache = {}
+
+    def get(kind, n, k):
+        if (kind, n, k) not in cache:
+            cache[kind, n, k] = QWeight.quantize(torch.randn(n, k, generator=gen) * 0.05, kind)
+        return cache[kind, n, k]
+    return get
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Rows with mixed scales per block, a zero block and an outlier, as hidden states have."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).mul(3).exp().repeat_interleave(
+        32, 1).view(m, k)
+    if k >= 64:
+        x[:, 32:64] = 0
+    x[:, 0] *= 20
+    return x
+
+
+# --- (a) the quantization ---------------------------------------------------------------------------------------
+def test_quantize_rows_equals_the_reference():
+    x = activations(7, 1536, seed=1)
+    got, want = int8.quantize_rows(x), int8.quantize_rows_reference(x)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    qx, dx, sx = got
+    assert qx.abs().max() <= 127 and qx.abs().amax(-1).min() >= 126  # the block maximum maps to +-127
+    assert torch.equal(dx[:, 1], torch.zeros(7)) and torch.equal(sx[:, 1], torch.zeros(7))  # the zero block
+
+
+def test_quantize_rows_zero_blocks_and_ties():
+    x = torch.zeros(2, 64)
+    # block 0: amax 127, so x * (127 / amax) = x: halves round to even, as _mm256_round_ps does
+    x[0, :8] = torch.tensor([127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 1.5])
+    x[0, 8] = -0.0
+    # block 1: amax 254, scale 0.5: 5 -> 2.5 -> 2, 7 -> 3.5 -> 4, -254 -> -127
+    x[0, 32:35] = torch.tensor([5.0, 7.0, -254.0])
+    # row 1: all zero (and a negative zero): q 0, dx 0, sx 0
+    x[1, 3] = -0.0
+    qx, dx, sx = int8.quantize_rows(x)
+    assert qx[0, :9].tolist() == [127, 2, 4, -2, -4, 0, 0, 2, 0]
+    assert qx[0, 32:35].tolist() == [2, 4, -127]
+    assert dx[0].tolist() == [1.0, 2.0] and sx[0].tolist() == [127.0 + 2 + 4 - 2 - 4 + 2, 2.0 * (2 + 4 - 127)]
+    assert not qx[1].any() and not dx[1].any() and not sx[1].any()
+    for g, w in zip((qx, dx, sx), int8.quantize_rows_reference(x)):
+        assert torch.equal(g, w)
+
+
+# --- (b) the products -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_kernel_equals_the_reference(weights, kind, n, k):
+    w = weights(kind, n, k)
+    rows = range(1, 21) if n * k <= 576 * 576 else (1, 2, 3, 7, 8, 9, 10, 16, 17, 20)
+    for m in rows:
+        x = activations(m, k, seed=m)
+        assert torch.equal(int8.int8_linear(x, w), int8.int8_linear_reference(x, w)), (kind, n, k, m)
+
+
+def test_q8_0_extreme_values():
+    """-128 weights (|w| = 128 as unsigned, the sign on qx) and full-scale activations: no int16 saturation."""
+    n, k = 6, 128
+    qs = torch.full((n, k), -128, dtype=torch.int8)
+    qs[1::2] = 127
+    qs[2, ::2] = -127
+    w = QWeight("Q8_0", qs, torch.full((n, k // 32), 0.5))
+    x = torch.full((3, k), -1.0)
+    x[1] = 1.0
+    x[2, ::2] = 1.0
+    y = int8.int8_linear(x, w)
+    assert torch.equal(y, int8.int8_linear_reference(x, w))
+    assert y[0, 0].item() == pytest.approx(128 * 64.0, rel=1e-6)  # w = -64, x = -1: qx = -127 with dx = 1 / 127
+
+
+# --- (c) row invariance -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_does_not_depend_on_the_pass_or_the_threads(weights, kind):
+    w = weights(kind, 960, 576)
+    x = activations(17, 576, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = int8.int8_linear(x, w)
+        torch.set_num_threads(2)
+        two_threads = int8.int8_linear(x, w)
+        singles = torch.cat([int8.int8_linear(x[r:r + 1], w) for r in range(17)])
+        nine = int8.int8_linear(x[4:13], w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, two_threads)
+    assert torch.equal(one_thread, singles)
+    assert torch.equal(one_thread[4:13], nine)
+
+
+# --- (d) close to the float product -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n,k", [(3072, 576), (576, 1536)])
+def test_close_to_the_float_product(weights, kind, n, k):
+    w = weights(kind, n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(5))
+    y, want = int8.int8_linear(x, w), F.linear(x, w.dequantize())
+    error = ((y - want).norm(dim=1) / want.norm(dim=1)).max().item()
+    # int8 activations round each value by up to half a step of amax / 127; for Gaussian rows (amax ~2.3 sigma)
+    # that is ~5e-3 relative (rms step / sqrt(12))
+    assert 1e-3 < error < 1e-2, error
+
+
+# --- the VNNI code paths ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # a second build of the extension (cached after the first run)
+def test_vnni_code_paths_give_the_same_bits(weights):
+    """The VNNI build's loops (dpbusd in place of maddubs + madd), run here with dpbusd emulated: the same bits as the
+    AVX2 build. (A real avx512vnni / avxvnni build runs the same code with the instruction.)"""
+    emulated = int8.build("vnni-emulated")
+    assert emulated.vnni and emulated.isa == "vnni-emulated"
+    for kind in KINDS:
+        w = weights(kind, 67, 576)
+        for m in (1, 3, 8, 9, 17):
+            x = activations(m, 576, seed=m)
+            want = int8.int8_linear(x, w)
+            if kind == "Q4_1":
+                got = emulated.q4_1_linear(x, w.qs)
+            else:
+                got = emulated.q8_0_linear(x, w.qs, w.d)
+            assert torch.equal(got, want), (kind, m)
+
+
+# --- (e) errors -------------------------------------------------------------------------------------------------
+def test_clear_errors(weights):
+    w = weights("Q4_1", 67, 576)
+    x = torch.randn(2, 576)
+    with pytest.raises(TypeError, match="float32"):
+        int8.int8_linear(x.double(), w)
+    with pytest.raises(TypeError, match=r"\[M, K\]"):
+        int8.int8_linear(x[0], w)
+    with pytest.raises(ValueError, match="columns"):
+        int8.int8_linear(torch.randn(2, 512), w)
+    with pytest.raises(TypeError, match="QWeight"):
+        int8.int8_linear(x, w.dequantize())
+    with pytest.raises(ValueError, match="K % 64"):
+        int8.int8_linear(torch.randn(2, 32), QWeight("Q8_0", torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int8.quantize_rows(torch.randn(2, 48))
+    # the extension checks its arguments too
+    with pytest.raises(RuntimeError, match="Q4_1 spans"):
+        int8.kernel().q4_1_linear(x, w.qs[:, :9].contiguous())
+    with pytest.raises(RuntimeError, match="Q8_0 scales"):
+        int8.kernel().q8_0_linear(x, torch.zeros(4, 576, dtype=torch.int8), torch.ones(4, 9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="float32"):
+        int8.kernel().q4_1_linear(x.t(), w.qs)
+    assert int8.int8_linear(torch.zeros(0, 576), w).shape == (0, 67)
