@@ -1,4 +1,4 @@
-"""Time the int8-activation kernel (ddtree.cpu.int8) against the float-activation one (ddtree.qlinear) on
+"""Time the int8-activation kernel (ddtree.cpu.int8) against the float-activation one (ddtree.cpu.qlinear) on
 SmolLM2-135M's layer set, all Q4_1: per layer qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536];
 a "stack" is 30 such layers (~66 MB of weights, more than a typical L3, so a pass streams them from DRAM).
 
@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ddtree import qlinear
+from ddtree.cpu import qlinear
 from ddtree.cpu import int8
-from ddtree.qlinear import SPAN_WORDS, QWeight
+from ddtree.cpu.qlinear import SPAN_WORDS, QWeight
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 SHAPES = {"qkv": (576 + 192 + 192, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.cpu import int8
-from ddtree.qlinear import QWeight
+from ddtree.cpu.qlinear import QWeight
 
 # SmolLM2-135M's projections (N, K): qkv fused, o, gate/up fused, down; and odd N
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (67, 576), (1, 64), (5, 128)]

@@ -1,6 +1,6 @@
 """Quantized linear layers with INTEGER activations: llama.cpp's CPU arithmetic (issue 35's groundwork).
 
-ddtree.qlinear multiplies float activations by weights dequantized in registers; llama.cpp instead quantizes each
+ddtree.cpu.qlinear multiplies float activations by weights dequantized in registers; llama.cpp instead quantizes each
 activation row per block of 32 to int8 (its Q8_0 / Q8_1 activations) and takes integer dot products per block, then
 scales them in float. That is a different model numerically (relative error a few 1e-3 against the float product)
 but cheaper per row, which is what a wide verify pass needs. kernels/int8_linear.cpp is the kernel (its top comment
@@ -23,7 +23,7 @@ import torch
 from ..config import ConfigError
 from ..kernels import SOURCE_DIR
 from ..knobs import env_choice
-from ..qlinear import BLOCK, ISAS, SPAN_WORDS, QWeight, compile_extension
+from .qlinear import BLOCK, ISAS, SPAN_WORDS, QWeight, compile_extension
 
 # The builds: avx2 (maddubs + madd), avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI
 # code paths with maddubs + madd in dpbusd's place: tests them on AVX2 machines). All give the same bits: the
@@ -49,7 +49,7 @@ def _cpu_flags() -> set[str]:
 
 def kernel_isa() -> str:
     """"avx512vnni" where torch reports AVX512 and the CPU has avx512_vnni (and VL), "avxvnni" where it has avx_vnni,
-    else "avx2"; DDTREE_CPU_ISA=avx2 forces the AVX2 build (as for ddtree.qlinear's kernel)."""
+    else "avx2"; DDTREE_CPU_ISA=avx2 forces the AVX2 build (as for ddtree.cpu.qlinear's kernel)."""
     if env_choice("DDTREE_CPU_ISA", ISAS) == "avx2":
         return "avx2"
     flags = _cpu_flags()
@@ -99,7 +99,7 @@ def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> to
 
 def _check_weight(qweight) -> tuple[int, int]:
     if not isinstance(qweight, QWeight):
-        raise TypeError(f"qweight must be a ddtree.qlinear.QWeight, got {type(qweight).__name__}")
+        raise TypeError(f"qweight must be a ddtree.cpu.qlinear.QWeight, got {type(qweight).__name__}")
     n, k = qweight.shape
     if k % 64:
         raise ValueError(f"the kernel needs K % 64 == 0, got a {qweight.kind} weight {(n, k)}")
