@@ -35,10 +35,11 @@ def quantizable_target(arch: str, seed: int = 3, runtime: bool = True):
     return attach(target.fuse(), None)[0] if runtime else target.fuse()
 
 
-def quantized(arch: str, tmp_path, seed: int = 3):
+def quantized(arch: str, tmp_path, seed: int = 3, int8: bool = False):
+    """The target on its GGUF's blocks (quant='gguf'; with int8, quant='gguf-int8')."""
     path = write_gguf(quantizable_target(arch, seed), tmp_path / f"{arch}.gguf", template(tmp_path / "t.gguf"),
                       quant="Q4_1")
-    return cpu_target(quantizable_target(arch, seed, runtime=False), quant_gguf=path)
+    return cpu_target(quantizable_target(arch, seed, runtime=False), quant_gguf=path, int8=int8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # llama: q/k rows permuted in the file; qwen3: q/k norms
@@ -57,20 +58,52 @@ def test_quantized_target_is_the_float_model(arch, tmp_path):
     assert all(torch.equal(state[k], float_state[k]) for k in state)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float-activations", "int8-activations"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_dflash_and_ddtree_on_a_quantized_target_equal_its_ar(arch, tmp_path):
-    target = quantized(arch, tmp_path, seed=11)
-    drafter = untrained_drafter(target, 2, 8, seed=12)
+def test_dflash_and_ddtree_on_a_quantized_target_equal_its_ar(arch, int8, tmp_path):
+    """Every row of a pass is computed alone on the quantized kernels (float or int8 activations), so dflash and
+    ddtree are exactly the mode's own ar; with float activations that is also the float target's ar."""
+    target, drafter = attach(quantized(arch, tmp_path, seed=11, int8=int8), untrained_drafter(
+        quantizable_target(arch, seed=11), 2, 8, seed=12))
+    assert target.stack is not None and target.quant == "gguf Q4_1/Q8_0" + (" int8" if int8 else "")
     float_target = quantizable_target(arch, seed=11)
     float_drafter = untrained_drafter(float_target, 2, 8, seed=12)
     rng = random.Random(5)
     for _ in range(4):
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]
         ar, _ = run(target, drafter, prompt, "ar", max_new_tokens=24)
-        assert ar == run(float_target, float_drafter, prompt, "ar", max_new_tokens=24)[0]
+        if not int8:
+            assert ar == run(float_target, float_drafter, prompt, "ar", max_new_tokens=24)[0]
         for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", 32)):
             tokens, _ = run(target, drafter, prompt, method, budget=budget, max_new_tokens=24)
             assert tokens == ar, f"{method}:{budget} differs from ar on the quantized target"
+
+
+def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp_path):
+    """quant='gguf-int8': every product of the stack and of the eager layers quantizes its activations per block
+    (kernels/int8_linear.cpp): logits within a few % of the float model's largest (the same greedy tokens here),
+    and the stack matches the eager layers on the same kernels within float32 rounding, one row or several."""
+    from ddtree.cpu.runtime import reference_arithmetic
+    from test_fused import logits
+
+    q, f = quantized("qwen3", tmp_path, int8=True), quantizable_target("qwen3")
+    attn = q.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.int8 and q.lm_head.weight.int8 and q.describe()["quant"].endswith("int8")
+    for extra in ([5], [5, 17, 40, 2, 9]):
+        a, b = logits(q, [1, 2, 3, 4], extra), logits(f, [1, 2, 3, 4], extra)
+        assert not torch.equal(a, b) and torch.equal(a.argmax(-1), b.argmax(-1))
+        torch.testing.assert_close(a, b, rtol=0, atol=0.05 * b.abs().max().item())
+        with reference_arithmetic(q):
+            torch.testing.assert_close(logits(q, [1, 2, 3, 4], extra), a, rtol=1e-5, atol=2e-5)
+
+
+def test_load_names_the_quant_modes(tmp_path):
+    import ddtree
+
+    with pytest.raises(ConfigError, match="unknown quant 'int4'.*'gguf-int8'"):
+        ddtree.load(quant="int4")
+    with pytest.raises(ConfigError, match="cpu_kernel='off'"):
+        ddtree.load(quant="gguf-int8", cpu_kernel="off")
 
 
 def test_a_gguf_that_is_not_the_float_model_is_refused(tmp_path):
