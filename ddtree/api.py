@@ -12,6 +12,7 @@ import torch
 from .attention import Visibility
 from .checker import Verdict, check_tokens
 from .config import CPU_KERNELS, ConfigError, SamplingParams
+from .cpu.qlinear import resolve_cpu_kernel
 from .cpu.runtime import attach, cpu_target
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
@@ -209,11 +210,13 @@ def _preview(value) -> str:
 
 
 def check_quant(quant, target, device, dtype) -> Path | None:
-    """The GGUF file whose blocks quant='gguf' runs (None without quant), or a ConfigError naming the fix."""
+    """The GGUF file whose blocks quant='gguf' / 'gguf-int8' runs (None without quant), or a ConfigError naming the
+    fix."""
     if quant is None:
         return None
-    if quant != "gguf":
-        raise ConfigError(f"unknown quant {quant!r}; the one choice is 'gguf' (the target GGUF's own quantization)")
+    if quant not in QUANTS:
+        raise ConfigError(f"unknown quant {quant!r}; choose 'gguf' (the target GGUF's own blocks, float activations) "
+                          "or 'gguf-int8' (the same blocks with int8 activations: llama.cpp's arithmetic)")
     path = source_gguf(target)
     if path is None:
         raise ConfigError(f"quant='gguf' needs a GGUF target (the embedded default or a .gguf file), not {target!r}")
@@ -222,6 +225,9 @@ def check_quant(quant, target, device, dtype) -> Path | None:
     if dtype is not None and parse_dtype(dtype) != torch.float32:
         raise ConfigError(f"quant='gguf' takes float32 activations, not {dtype!r}; leave dtype unset")
     return path
+
+
+QUANTS = ("gguf", "gguf-int8")
 
 
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
@@ -233,7 +239,10 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
     which ran. The arithmetic of a float32 CPU target (the CPU runtime, ddtree/cpu/runtime.py):
     quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (float32 activations;
-    the same model as the float one, weights read at 5-8.5 bits; see ddtree/cpu/quant_target.py).
+    the same model as the float one, weights read at 5-8.5 bits; see ddtree/cpu/quant_target.py). "gguf-int8":
+    the same blocks with the activations quantized to int8 per block of 32 and integer dot products (llama.cpp's
+    arithmetic: another function than the float model's, cheaper per verified row; every method is lossless
+    against `ar` of the same mode).
     cpu_kernel: "auto" (the CPU's build of the C++ kernels), "avx2", "avx512", or "off" (torch's matmuls only:
     the reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it.
     gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
@@ -244,13 +253,16 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     if not isinstance(gguf_blocks, bool):
         raise ConfigError(f"gguf_blocks must be True or False, got {gguf_blocks!r}")
     gguf = check_quant(quant, target, device, dtype)
+    if gguf is not None and resolve_cpu_kernel(cpu_kernel) == "off":
+        raise ConfigError(f"quant={quant!r} runs on the CPU kernels, which cpu_kernel='off' (or DDTREE_CPU_KERNEL=0) "
+                          "turns off; leave cpu_kernel at 'auto'")
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
     source = source_gguf(target)
     tgt = cpu_target(load_target(directory, dtype, device, attention_backend, backend), cpu_kernel,
                      quant_gguf=gguf, source_gguf=source, conversion=directory,
-                     gguf_blocks=gguf_blocks)
+                     gguf_blocks=gguf_blocks, int8=quant == "gguf-int8")
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from . import api
+from .api import QUANTS
 from .config import ConfigError, add_arithmetic_args, cli_int
 from .cost_cache import machine_name
 from .datasets import dataset_name, load_prompt_items
@@ -91,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
-    p.add_argument("--quant", choices=["gguf"],
-                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
+    p.add_argument("--quant", choices=QUANTS,
+                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations); "
+                        "gguf-int8: the same blocks with int8 activations (llama.cpp's arithmetic)")
     add_arithmetic_args(p)
     p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")

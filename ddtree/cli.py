@@ -6,6 +6,7 @@ import json
 import sys
 
 from . import api
+from .api import QUANTS
 from .compare import compare as run_compare
 from .config import ConfigError, add_arithmetic_args
 from .loading import resolve_device
@@ -21,8 +22,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (default: triton on CUDA, sdpa elsewhere)")
-    p.add_argument("--quant", choices=["gguf"],
-                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations)")
+    p.add_argument("--quant", choices=QUANTS,
+                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations); "
+                        "gguf-int8: the same blocks with int8 activations (llama.cpp's arithmetic)")
     add_arithmetic_args(p)
     p.add_argument("--backend", default="auto", choices=["auto", "own", "hf"],
                    help="target backend: own-code model (llama/qwen2/qwen3/mistral) or any Hugging Face causal LM "

@@ -1,9 +1,11 @@
 // The CPU extension's entry points shared between its sources (qlinear.cpp: the matmuls; decoder.cpp: whole
-// decoder layers). All take and return contiguous float32 CPU tensors; see each source for layouts and the
+// decoder layers; int8_linear.cpp: the matmuls with integer activations). All take and return contiguous float32 CPU tensors; see each source for layouts and the
 // order of the sums.
 #pragma once
 #include <immintrin.h>
 #include <torch/extension.h>
+
+#include <string>
 
 namespace ddtree {
 
@@ -24,3 +26,10 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 void bind_decoder(pybind11::module& mod);  // decoder.cpp
 
 }  // namespace ddtree
+
+// int8_linear.cpp: the same products with the activations quantized to int8 per block of 32 (llama.cpp's arithmetic)
+namespace ddtree_int8 {
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor spans);
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
+void bind(pybind11::module& mod, const std::string& prefix);
+}  // namespace ddtree_int8

@@ -37,6 +37,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace ddtree_int8 {
@@ -500,13 +501,22 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   return {qx, dx, sx};
 }
 
+// The entry points as Python functions named `prefix` + name: in the CPU extension (kernels/qlinear.cpp, prefix
+// "int8_"), where the decoder stack also calls them (kernels/decoder.cpp); or in a module of this file alone
+// (DDTREE_INT8_MODULE: ddtree/cpu/int8.py's builds for other instruction sets, prefix "").
+void bind(pybind11::module& mod, const std::string& prefix) {
+  mod.def((prefix + "q4_1_linear").c_str(), &q4_1_linear,
+          "x [M, K] @ W^T with int8 activations, W in Q4_1 spans [N, K / 64 * 10]");
+  mod.def((prefix + "q8_0_linear").c_str(), &q8_0_linear,
+          "x [M, K] @ W^T with int8 activations, W in Q8_0 blocks (qs [N, K], d)");
+  mod.def((prefix + "quantize_rows").c_str(), &quantize_rows,
+          "x [M, K] -> (qx int8 [M, K], dx [M, K / 32], sx [M, K / 32])");
+  mod.attr((prefix + "vnni").c_str()) = bool(DDTREE_VNNI);
+  mod.attr((prefix + "isa").c_str()) = DDTREE_ISA;
+}
+
 }  // namespace ddtree_int8
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  using namespace ddtree_int8;
-  mod.def("q4_1_linear", &q4_1_linear, "x [M, K] @ W^T with int8 activations, W in Q4_1 spans [N, K / 64 * 10]");
-  mod.def("q8_0_linear", &q8_0_linear, "x [M, K] @ W^T with int8 activations, W in Q8_0 blocks (qs [N, K], d)");
-  mod.def("quantize_rows", &quantize_rows, "x [M, K] -> (qx int8 [M, K], dx [M, K / 32], sx [M, K / 32])");
-  mod.attr("vnni") = bool(DDTREE_VNNI);
-  mod.attr("isa") = DDTREE_ISA;
-}
+#ifdef DDTREE_INT8_MODULE
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) { ddtree_int8::bind(mod, ""); }
+#endif

@@ -74,7 +74,7 @@ def main():
     }
     print(f"machine: {machine()}")
     print(f"torch {torch.__version__}, {args.threads} threads, int8 build {int8.kernel().isa}, "
-          f"qlinear build {qlinear.kernel_isa()}; stack: {LAYERS} x (qkv, o, gate_up, down) Q4_1, {mb:.1f} MB")
+          f"qlinear build {qlinear.resolve_cpu_kernel()}; stack: {LAYERS} x (qkv, o, gate_up, down) Q4_1, {mb:.1f} MB")
     # round robin over (kernel, M), so that a load from another process spreads over all of them; the minimum
     # over the repetitions is the figure least disturbed by it (the median is printed too)
     xs = {m: {k: torch.randn(m, k, generator=gen) for k in (HIDDEN, INTER)} for m in rows}

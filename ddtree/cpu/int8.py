@@ -15,54 +15,31 @@ A row's result does not depend on the other rows of the pass or on the thread sp
 from __future__ import annotations
 
 import functools
-import warnings
-from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ..config import ConfigError
 from ..kernels import SOURCE_DIR
-from ..knobs import env_choice
-from .qlinear import BLOCK, ISAS, SPAN_WORDS, QWeight, compile_extension
+from . import qlinear
+from .qlinear import BLOCK, SPAN_WORDS, QWeight, compile_extension
 
-# The builds: avx2 (maddubs + madd), avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI
-# code paths with maddubs + madd in dpbusd's place: tests them on AVX2 machines). All give the same bits: the
-# integer sums are exact and the float operations are the same.
+# Builds of kernels/int8_linear.cpp as a module of its own, to compare instruction sets: avx2 (maddubs + madd),
+# avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI code paths with maddubs + madd in
+# dpbusd's place: tests them on AVX2 machines). All give the same bits: the integer sums are exact and the float
+# operations are the same. Decoding uses the copy compiled into the CPU extension (kernel()).
 ISA_FLAGS = {
     "avx2": [],
     "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
     "avxvnni": ["-mavxvnni"],
     "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
 }
-BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def kernel_isa() -> str:
-    """"avx512vnni" where torch reports AVX512 and the CPU has avx512_vnni (and VL), "avxvnni" where it has avx_vnni,
-    else "avx2"; DDTREE_CPU_ISA=avx2 forces the AVX2 build (as for ddtree.cpu.qlinear's kernel)."""
-    if env_choice("DDTREE_CPU_ISA", ISAS) == "avx2":
-        return "avx2"
-    flags = _cpu_flags()
-    if torch.backends.cpu.get_cpu_capability() == "AVX512" and {"avx512_vnni", "avx512vl"} <= flags:
-        return "avx512vnni"
-    if "avx_vnni" in flags:
-        return "avxvnni"
-    return "avx2"
+BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DDDTREE_INT8_MODULE"]
 
 
 @functools.cache
 def build(isa: str = "avx2"):
-    """The compiled extension (once, cached under DDTREE_CACHE/kernels by qlinear.compile_extension)."""
+    """kernels/int8_linear.cpp alone, for `isa` (once, cached under DDTREE_CACHE/kernels by compile_extension)."""
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {tuple(ISA_FLAGS)}, got {isa!r}")
     capability = torch.backends.cpu.get_cpu_capability()
@@ -74,16 +51,12 @@ def build(isa: str = "avx2"):
 
 
 @functools.cache
-def kernel():
-    """The build for this CPU (kernel_isa()); where a VNNI build fails (an older compiler), the AVX2 one, with a
-    warning."""
-    isa = kernel_isa()
-    if isa != "avx2":
-        try:
-            return build(isa)
-        except ConfigError as e:
-            warnings.warn(f"ddtree: the {isa} build of the int8 kernel failed, using the AVX2 build ({e})", stacklevel=2)
-    return build("avx2")
+def kernel() -> SimpleNamespace:
+    """The int8 entry points of the CPU extension (qlinear.kernel(): int8_linear.cpp is one of its sources, built
+    with VNNI where its AVX-512 build finds the CPU has it), under the names of a module of its own."""
+    main = qlinear.kernel()
+    return SimpleNamespace(q4_1_linear=main.int8_q4_1_linear, q8_0_linear=main.int8_q8_0_linear,
+                           quantize_rows=main.int8_quantize_rows, vnni=main.int8_vnni, isa=main.int8_isa)
 
 
 def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> torch.Tensor:

@@ -91,6 +91,18 @@ def kernel(choice: str = "auto"):
 
 
 @functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
 def build_kernel(isa: str = "avx2"):
     """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/kernels, see
     compile_extension): the quantized products, float32 ones for the runtime's Linear, and the decoder-layer
@@ -106,11 +118,13 @@ def build_kernel(isa: str = "avx2"):
     if isa == "avx512" and capability != "AVX512":
         raise ConfigError(f"the avx512 kernel (cpu_kernel='avx512' or DDTREE_CPU_ISA=avx512) on a CPU without AVX-512 "
                           f"(torch reports {capability!r}); choose cpu_kernel 'auto' or 'avx2'")
-    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp")]
+    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp", "int8_linear.cpp")]
     # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
     if isa == "avx512":
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
+        if "avx512_vnni" in cpu_flags():  # int8 dot products in one instruction (int8_linear.cpp; same bits)
+            flags.append("-mavx512vnni")
     return compile_extension("ddtree_qlinear" + ("" if isa == "avx2" else "_" + isa), sources, flags,
                              f"the CPU matmul kernel for {isa}",
                              fix="quant='gguf' needs it; float targets run on torch's matmuls without it")
@@ -200,6 +214,7 @@ class QWeight:
     kind: str
     qs: torch.Tensor
     d: torch.Tensor | None = None
+    int8: bool = False  # products with the activations quantized to int8 per block (llama.cpp's; kernels/int8_linear.cpp)
 
     def __post_init__(self):
         check_kind(self.kind)
@@ -267,25 +282,29 @@ class QWeight:
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Output rows [start, stop): views, no copy."""
-        return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop])
+        return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop], self.int8)
 
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
-        return QWeight(self.kind, self.qs[order].contiguous(), None if self.d is None else self.d[order].contiguous())
+        return QWeight(self.kind, self.qs[order].contiguous(), None if self.d is None else self.d[order].contiguous(),
+                       self.int8)
 
     @staticmethod
     def cat(weights: list["QWeight"]) -> "QWeight":
         """Stacked along N (fused projections); all of one kind and K."""
-        kinds, ks = {w.kind for w in weights}, {w.shape[1] for w in weights}
+        kinds, ks = {(w.kind, w.int8) for w in weights}, {w.shape[1] for w in weights}
         if len(kinds) != 1 or len(ks) != 1:
             raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} and widths {sorted(ks)}")
         d = None if weights[0].d is None else torch.cat([w.d for w in weights])
-        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), d)
+        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), d, weights[0].int8)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] float32 -> [..., N]: F.linear(x, self.dequantize()) up to the order of the sums."""
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        if x2.shape[0] > KERNEL_MAX_ROWS:
+        if self.int8:  # every width: the arithmetic is the kernel's (no float equivalent to fall back on)
+            y = (kernel().int8_q4_1_linear(x2.contiguous(), self.qs) if self.kind == "Q4_1"
+                 else kernel().int8_q8_0_linear(x2.contiguous(), self.qs, self.d))
+        elif x2.shape[0] > KERNEL_MAX_ROWS:
             y = F.linear(x2, self.dequantize())
         elif self.kind == "Q4_1":
             y = kernel().q4_1_linear(x2.contiguous(), self.qs)

@@ -13,6 +13,7 @@ a tied LM head gets its own quantized copy, as llama.cpp uses it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,16 +48,21 @@ def _matching(tensor, weight: torch.Tensor, heads: int | None, name: str) -> QWe
                       "file; is the GGUF the one this target was converted from? Load without quant='gguf'")
 
 
-def quantize_target(model, gguf_path: Path) -> str | None:
+def quantize_target(model, gguf_path: Path, int8: bool = False) -> str | None:
     """Swap the reference target `model`'s fused linear layers (ddtree.fused) for QLinears on `gguf_path`'s blocks,
     in place; returns what it runs on (e.g. "gguf Q4_1/Q8_0"), None where no tensor had a supported type. The
-    CPU runtime builds its stack over them afterwards (runtime.cpu_target)."""
+    CPU runtime builds its stack over them afterwards (runtime.cpu_target). int8: the products quantize their
+    activations to int8 per block of 32, as llama.cpp does ("gguf-int8": another arithmetic, no longer the float
+    model's function; QWeight.int8)."""
     if model.backend != "own" or not model.fused:
         raise ConfigError("quant='gguf' needs the own-code target backend (backend='own')")
     if model.device.type != "cpu" or model.dtype != torch.float32:
         raise ConfigError(f"quant='gguf' runs on the CPU in float32 (asked: {model.device.type} "
                           f"{str(model.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
     layers, head = gguf_blocks(model, gguf_path)
+    if int8:
+        layers = [{path: None if q is None else replace(q, int8=True) for path, q in quant.items()} for quant in layers]
+        head = None if head is None else replace(head, int8=True)
     kinds = set()
     for layer, quant in zip(model.model.layers, layers):
         _swap_layer(layer, quant)
@@ -64,7 +70,7 @@ def quantize_target(model, gguf_path: Path) -> str | None:
     if head is not None:
         model.lm_head = QLinear(head)
         kinds.add(head.kind)
-    return "gguf " + "/".join(sorted(kinds)) if kinds else None
+    return "gguf " + "/".join(sorted(kinds)) + (" int8" if int8 else "") if kinds else None
 
 
 def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]], QWeight | None]:

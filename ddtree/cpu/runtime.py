@@ -383,14 +383,15 @@ def reference_arithmetic(runtime: "CPUTarget | CPUDrafter"):
 
 
 def cpu_target(model, cpu_kernel: str = "auto", quant_gguf=None, source_gguf=None, conversion=None,
-               gguf_blocks: bool = True):
+               gguf_blocks: bool = True, int8: bool = False):
     """The target as it runs: the CPU runtime over `model` where it applies (applies()), else `model` itself.
-    quant_gguf: run the layers on that GGUF's blocks (quant='gguf'); source_gguf + conversion: the GGUF a float
+    quant_gguf: run the layers on that GGUF's blocks (quant='gguf'; with int8, quant='gguf-int8': activations
+    quantized to int8 per block, llama.cpp's arithmetic); source_gguf + conversion: the GGUF a float
     target was converted from, whose exact blocks serve its narrow passes unless gguf_blocks is False (or
     DDTREE_GGUF_BLOCKS is)."""
     if not applies(model):
         return model
-    quant = quantize_target(model, quant_gguf) if quant_gguf is not None else None
+    quant = quantize_target(model, quant_gguf, int8) if quant_gguf is not None else None
     blocks = None
     gguf_blocks = gguf_blocks and env_flag("DDTREE_GGUF_BLOCKS", True)  # the environment overrides True
     if (quant_gguf is None and source_gguf is not None and gguf_blocks and model.fused

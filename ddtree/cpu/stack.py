@@ -20,6 +20,7 @@ PACK_MAX_BYTES = 1 << 30
 # memory again: worth it while plain decoding is bound by how fast these weights stream)
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
+INT8_KINDS = {"Q4_1": 6, "Q8_0": 7}  # the same blocks with int8 activations (decoder.cpp's Q4_1_I8, Q8_0_I8)
 MAX_ROWS = 64  # passes of 1..MAX_ROWS rows; wider ones (a prefill) run the eager layers on torch's cache-blocked GEMM
 
 
@@ -185,7 +186,8 @@ def _coverable(weight) -> bool:
 def _add(stack, weight, weight_t, bias, pack: bool) -> int:
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(weight, qlinear.QWeight):
-        return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, bias)
+        kinds = INT8_KINDS if weight.int8 else QUANT_KINDS
+        return stack.add_linear(kinds[weight.kind], weight.qs, weight.d, bias)
     if weight.dtype == torch.bfloat16:
         return stack.add_linear(BF16, weight, None, bias)
     if pack and weight.shape[0] % 4 == 0:  # the kernel at every width, one row on one thread included
