@@ -406,8 +406,10 @@ class Stack {
   }
 
   // Scores -> exp(s - max) in place over the visible keys (0 elsewhere); returns their sum. vis: the row's
-  // ancestors among the new rows, or null (all visible). The sum runs over key slots padded to a multiple of 8,
-  // lane j % 8 for key j: masked and padding slots add +0, so a row's sum has one order whatever the pass's width.
+  // ancestors among the new rows, or null (all visible). The sum takes the visible keys in order, the k-th one in
+  // lane k % 8 (then hsum), wherever masked keys sit: a tree node's sum is that of the same path run as 1-row
+  // steps (its siblings' slots skipped, not added as zeros that would shift its own key to another lane), and a
+  // row's sum has one order whatever the pass's width.
   static float softmax_numerators(float* s, int64_t keys, int64_t past, const bool* vis) {
     // The maximum (exact in any order): the past eight lanes at a time, then the new rows with their mask.
     __m256 m8 = _mm256_set1_ps(-INFINITY);
@@ -424,13 +426,29 @@ class Stack {
     const int64_t padded = (keys + 7) & ~int64_t(7);
     for (j = keys; j < padded; ++j) s[j] = -INFINITY;
     const __m256 mv = _mm256_set1_ps(m);
+    const int64_t whole = past & ~int64_t(7);  // the past's full blocks: every key visible, key j is the j-th
     __m256 sum8 = _mm256_setzero_ps();
     for (j = 0; j < padded; j += 8) {
       const __m256 sv = _mm256_loadu_ps(s + j);
       const __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
       const __m256 ev = _mm256_and_ps(exp8(_mm256_sub_ps(sv, mv)), live);
       _mm256_storeu_ps(s + j, ev);
-      sum8 = _mm256_add_ps(sum8, ev);
+      if (j < whole) sum8 = _mm256_add_ps(sum8, ev);
+    }
+    // the rest of the past, then the visible new rows, packed eight to a block in order (zeros after the last)
+    alignas(32) float rest[8];
+    int fill = 0;
+    for (j = whole; j < keys; ++j) {
+      if (j >= past && vis && !vis[j - past]) continue;  // not an ancestor: no slot
+      rest[fill++] = s[j];
+      if (fill == 8) {
+        sum8 = _mm256_add_ps(sum8, _mm256_load_ps(rest));
+        fill = 0;
+      }
+    }
+    if (fill) {
+      for (int k = fill; k < 8; ++k) rest[k] = 0.f;
+      sum8 = _mm256_add_ps(sum8, _mm256_load_ps(rest));
     }
     return hsum(sum8);
   }

@@ -102,6 +102,47 @@ def test_stack_attention_over_a_long_past_matches_eager(head_dim, past):
         torch.testing.assert_close(fast.taps, ref.taps, rtol=1e-4, atol=1e-4)
 
 
+def assert_tree_rows_equal_their_paths(target, cache, threads: int, logits: bool = True) -> None:
+    """A tree verify (two branches, the second off the first key's lane) against each node's path decoded as 1-row
+    steps: the node's last-layer hidden state (and logits) bit for bit, with torch on `threads` threads. A masked
+    sibling must not move a node's key to another lane of the softmax sum (kernels/decoder.cpp)."""
+    parents, depth = [-1, 0, 0, 1, 2, 4, 0], [0, 1, 1, 2, 2, 3, 1]
+    n, past, last = len(parents), cache.length, target.cfg.num_layers - 1
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            anc[i] |= anc[parent]
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tree = target(tokens, torch.tensor([past + d for d in depth]), cache, Visibility(past, anc), tap_layers=(last,))
+        for i in range(n):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, j)
+                j = parents[j]
+            cache.length = past
+            for j in path:
+                step = target(tokens[j:j + 1], torch.tensor([past + depth[j]]), cache, Visibility(cache.length, None),
+                              tap_layers=(last,))
+                cache.commit(1)
+            assert torch.equal(step.taps[0], tree.taps[i]), f"node {i}"
+            assert not logits or torch.equal(step.logits[0], tree.logits[i]), f"node {i}"
+    finally:
+        torch.set_num_threads(saved)
+        cache.length = past
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tree_rows_equal_their_paths_as_one_row_steps(arch, threads):
+    """What makes ddtree exactly ar on a CPU: every tree node's pass is its path's 1-row steps, bit for bit (the LM
+    head's 1-row GEMV on one thread is torch's, so the logits are compared on two threads)."""
+    target = random_target(arch, seed=4, init_scale=0.25, num_layers=3)
+    assert_tree_rows_equal_their_paths(target, prefilled(target, prompt_len=13), threads, logits=threads == 2)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_stack_rows_do_not_depend_on_the_pass_width(arch):
     """2-64-row passes use the row-invariant matmul and compute each row alone: the first rows of a longer chain
@@ -180,6 +221,9 @@ def test_quantized_stack_matches_eager_and_its_one_row_steps(tmp_path):
     torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
     assert_steps_equal_chain(target, cache, tokens, threads=1)
+    assert_tree_rows_equal_their_paths(target, cache, threads=1)
+    int8 = quantized("qwen3", tmp_path, int8=True)  # activations quantized per row: any bit of difference would show
+    assert_tree_rows_equal_their_paths(int8, prefilled(int8), threads=2)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

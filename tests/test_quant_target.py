@@ -10,7 +10,7 @@ from conftest import run
 from ddtree.config import ConfigError
 from ddtree.drafter import untrained_drafter
 from ddtree.gguf_export import permute_rope_rows, write_gguf
-from ddtree.cpu.qlinear import QLinear, QWeight
+from ddtree.cpu.qlinear import QLinear, QWeight, round_po2_q8
 from ddtree.cpu.quant_target import dequantized_state, llama_row_order, quantize_target
 from ddtree.cpu.runtime import attach, cpu_target
 from ddtree.testing import random_target
@@ -33,6 +33,17 @@ def quantizable_target(arch: str, seed: int = 3, runtime: bool = True):
                 kind = "Q4_1" if name.startswith("model.layers.") else "Q8_0"
                 p.copy_(QWeight.quantize(p, kind).dequantize())
     return attach(target.fuse(), None)[0] if runtime else target.fuse()
+
+
+def rounded_drafter(target, seed: int):
+    """An untrained drafter with a reduced vocabulary, its matrices on power-of-two 8-bit grids (as `train
+    quantize` rounds one), so the runtime streams them as 8-bit blocks."""
+    drafter = untrained_drafter(target, 2, 8, seed=seed, draft_vocab=torch.arange(0, 96, 2))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.copy_(round_po2_q8(p))
+    return drafter
 
 
 def quantized(arch: str, tmp_path, seed: int = 3, int8: bool = False):
@@ -63,11 +74,13 @@ def test_quantized_target_is_the_float_model(arch, tmp_path):
 def test_dflash_and_ddtree_on_a_quantized_target_equal_its_ar(arch, int8, tmp_path):
     """Every row of a pass is computed alone on the quantized kernels (float or int8 activations), so dflash and
     ddtree are exactly the mode's own ar; with float activations that is also the float target's ar."""
-    target, drafter = attach(quantized(arch, tmp_path, seed=11, int8=int8), untrained_drafter(
-        quantizable_target(arch, seed=11), 2, 8, seed=12))
+    target, drafter = attach(quantized(arch, tmp_path, seed=11, int8=int8), rounded_drafter(
+        quantizable_target(arch, seed=11), seed=12))
     assert target.stack is not None and target.quant == "gguf Q4_1/Q8_0" + (" int8" if int8 else "")
+    # the drafter's 8-bit copies take the target's activations: int8 in the int8 mode (shapes the tree only)
+    assert drafter.int8 == int8 and drafter.head.compact.int8 == int8
     float_target = quantizable_target(arch, seed=11)
-    float_drafter = untrained_drafter(float_target, 2, 8, seed=12)
+    float_drafter = rounded_drafter(float_target, seed=12)
     rng = random.Random(5)
     for _ in range(4):
         prompt = [rng.randrange(96) for _ in range(rng.randint(1, 30))]

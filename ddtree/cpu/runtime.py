@@ -14,6 +14,7 @@ lossless tests): the stack sums every output in the row kernel's one order, what
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +53,13 @@ class Linear:
     - else torch's F.linear."""
 
     def __init__(self, weight, kernel, blocks: qlinear.QWeight | None = None, block_rows: int = 0,
-                 compact: bool = False, transposed: bool = False, bias: torch.Tensor | None = None):
+                 compact: bool = False, transposed: bool = False, bias: torch.Tensor | None = None,
+                 int8: bool = False):
         self.weight, self.kernel, self.blocks, self.block_rows, self.bias = weight, kernel, blocks, block_rows, bias
         is_f32 = isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.compact = stack.compact_copy(weight) if compact and kernel is not None and is_f32 else None
+        # int8: a compact 8-bit copy runs with int8 activations (a quant='gguf-int8' target's drafter)
+        copy = stack.compact_copy(weight) if compact and kernel is not None and is_f32 else None
+        self.compact = replace(copy, int8=True) if int8 and isinstance(copy, qlinear.QWeight) else copy
         self.transposed = weight.detach().t().contiguous() if transposed and is_f32 else None
         self.skinny = (kernel is not None and is_f32 and weight.dim() == 2 and weight.shape[1] % 64 == 0
                        and weight.is_contiguous())
@@ -102,6 +106,11 @@ class CPUTarget(_Wrapper):
     for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given."""
 
     _OWN = frozenset({"reference", "quant", "cpu_kernel", "kernel", "blocks", "stack", "head", "watch"})
+
+    @property
+    def int8(self) -> bool:
+        """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
+        return bool(self.quant) and self.quant.endswith(" int8")
 
     def __init__(self, reference, cpu_kernel: str = "auto", quant: str | None = None, blocks=None):
         own = object.__setattr__
@@ -245,21 +254,25 @@ class CPUDrafter(_Wrapper):
     """The reference DFlashDrafter (`reference`, bound to a CPUTarget) with its CPU fast paths: the draft layers
     and the context pass as one C++ call each, and a reduced head through Linear."""
 
-    _OWN = frozenset({"reference", "kernel", "stack", "context", "head", "watch"})
+    _OWN = frozenset({"reference", "kernel", "int8", "stack", "context", "head", "watch"})
 
-    def __init__(self, reference, kernel):
+    def __init__(self, reference, kernel, int8: bool = False):
         object.__setattr__(self, "reference", reference)
         object.__setattr__(self, "kernel", kernel)  # the compiled extension, or None (torch's matmuls)
+        # its 8-bit copies with int8 activations: the drafter of a quant='gguf-int8' target (the drafter's arithmetic
+        # shapes only the tree, never the tokens)
+        object.__setattr__(self, "int8", int8)
         self._build()
 
     @torch.inference_mode(False)  # copies made during a draft stay ordinary tensors
     def _build(self) -> None:
         ref, kernel = self.reference, self.kernel
-        built = stack.build(ref.cfg.model, ref.layers, None, kernel) if kernel is not None else None
+        built = stack.build(ref.cfg.model, ref.layers, None, kernel, self.int8) if kernel is not None else None
         self.context = built is not None and stack.add_context(built, ref.fc.weight, ref.hidden_norm.weight,
-                                                               ref.layers)
+                                                               ref.layers, self.int8)
         # the reduced head as 8-bit blocks or bf16 where exact (the shipped drafter's): fewer bytes, same bits
-        self.head = Linear(ref.lm_head.weight, kernel, compact=built is not None) if ref.cfg.reduced_vocab else None
+        self.head = (Linear(ref.lm_head.weight, kernel, compact=built is not None, int8=self.int8)
+                     if ref.cfg.reduced_vocab else None)
         self.stack = built
         self.watch = WeightsWatch(ref.parameters)
 
@@ -406,5 +419,5 @@ def attach(target, drafter):
     if not isinstance(target, CPUTarget) and applies(target):
         target = CPUTarget(target)
     if isinstance(target, CPUTarget) and drafter is not None and not isinstance(drafter, CPUDrafter):
-        drafter = CPUDrafter(drafter.bind(target), target.kernel)
+        drafter = CPUDrafter(drafter.bind(target), target.kernel, int8=target.int8)
     return target, drafter

@@ -8,6 +8,8 @@ packed, bf16 or GGUF blocks), and torch's GEMV for one row of an unpacked float3
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from . import qlinear
@@ -24,7 +26,7 @@ INT8_KINDS = {"Q4_1": 6, "Q8_0": 7}  # the same blocks with int8 activations (de
 MAX_ROWS = 64  # passes of 1..MAX_ROWS rows; wider ones (a prefill) run the eager layers on torch's cache-blocked GEMM
 
 
-def build(cfg, layers, blocks=None, kernel=None) -> object | None:
+def build(cfg, layers, blocks=None, kernel=None, int8: bool = False) -> object | None:
     """A DecoderStack over `layers` (ddtree.layers.DecoderLayer, shapes from the ModelConfig `cfg`) built by
     `kernel` (the compiled extension; None: qlinear.kernel()), or None when it cannot take them: not float32 on a
     CPU, a shape the C++ does not cover, or no kernel. Fused layers (ddtree.fused, or quant_target's QLinears)
@@ -34,7 +36,8 @@ def build(cfg, layers, blocks=None, kernel=None) -> object | None:
     beyond that contiguous transposes of qkv and gate/up for torch's 1-row GEMV. The runtime rebuilds a stack
     whenever the weights change (ddtree/cpu/weights_watch.py). blocks: per layer, its (qkv, o, gate_up, down) as
     QWeights that dequantize EXACTLY to the float weights (None where there is none; ddtree/cpu/exact_blocks.py);
-    passes of up to layer_max_rows() rows read those instead (same bits)."""
+    passes of up to layer_max_rows() rows read those instead (same bits). int8: the compact 8-bit copies run with int8
+    activations (QWeight.int8: the drafter of a quant='gguf-int8' target)."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -58,7 +61,7 @@ def build(cfg, layers, blocks=None, kernel=None) -> object | None:
         # float32 weights that are all bfloat16 values (a checkpoint published in bf16, run in fp32) stream as bf16
         # copies, widened exactly in registers, or as 8-bit blocks where they are power-of-two-scaled 8-bit values
         # (compact_copy): a half or a quarter of the bytes, and every row count takes the row kernel
-        weights = tuple(compact_if_exact(w) if isinstance(w, torch.Tensor) else w
+        weights = tuple(compact_if_exact(w, int8) if isinstance(w, torch.Tensor) else w
                         for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight))
         if not all(_coverable(w) for w in weights):
             return None
@@ -90,17 +93,17 @@ def _transposed(weight, pack: bool) -> torch.Tensor | None:
     return weight.detach().t().contiguous()
 
 
-def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers) -> bool:
+def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers, int8: bool = False) -> bool:
     """Give a drafter's stack its context pass (DecoderStack.context, DFlash's KV injection): the fc weight
     [H, taps * H], hidden_norm's weight [H], and per layer its k_proj and v_proj concatenated (compact copies where
     exact, like build()'s). False, and no context pass, where a weight is not one the stack covers."""
     kv = []
     for layer in layers:
         attn = layer.self_attn
-        weight = compact_if_exact(_cat(attn.k_proj, attn.v_proj))
+        weight = compact_if_exact(_cat(attn.k_proj, attn.v_proj), int8)
         bias = None if attn.k_proj.bias is None else _cat_bias(attn.k_proj, attn.v_proj)
         kv.append((weight, bias))
-    fc = compact_if_exact(fc)
+    fc = compact_if_exact(fc, int8)
     if not all(_coverable(w) for w, _ in kv) or not _coverable(fc):
         return False
     ids = [_add(stack, weight, None, bias, False) for weight, bias in kv]
@@ -153,9 +156,11 @@ def compact_copy(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor | None:
     return qlinear.po2_q8(weight) or bf16_copy(weight)
 
 
-def compact_if_exact(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor:
-    """compact_copy(weight) where there is one, else the weight."""
+def compact_if_exact(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor:
+    """compact_copy(weight) where there is one (8-bit blocks with int8 activations if `int8`), else the weight."""
     copy = compact_copy(weight)
+    if isinstance(copy, qlinear.QWeight) and int8:
+        return replace(copy, int8=True)
     return weight.detach() if copy is None else copy
 
 
