@@ -39,11 +39,11 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
     """Decode `prompt` with every spec in order, back to back, `ar` first (its tokens are the reference), and
     return one record per method: the stats, `method` (the label, e.g. ddtree:16), `method_name`, `token_ids`
     and `check`: reference (ar) / identical / tie_flip / error (see checker.py) / skipped (T > 0).
-    Peer methods (hf, llamacpp: other programs, run by `peers`, a peers.Peers) run at T=0 without stops only; llama.cpp's
-    arithmetic is not ours, so its check is `agreement` (the share of ar's tokens it reproduces before the
-    first difference) and never an error. tamper(spec, tokens, record) -> tokens
-    may alter a method's tokens before the check (the benchmark's self-test of the checker); on_record(record)
-    is called as each method finishes (progress, incremental writes)."""
+    Peer methods (hf, llamacpp: other programs, run by `peers`, a peers.Peers) run at T=0 without stops only;
+    llama.cpp's arithmetic is not ours (nor is any peer's on a target with int8 activations), so its check is
+    `agreement` (the share of ar's tokens it reproduces before the first difference), never an error.
+    tamper(spec, tokens, record) -> tokens may alter a method's tokens before the check (the benchmark's self-test
+    of the checker); on_record(record) is called as each method finishes (progress, incremental writes)."""
     if specs[0].name != REFERENCE:
         raise ValueError("the first method must be ar: its tokens are the reference")
     records, reference = [], None
@@ -62,13 +62,16 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         rec = {**res.stats.as_dict(), "method": spec.label, "method_name": spec.name}  # the label over the
         if tamper is not None:  # stats' bare name
             tokens = tamper(spec, tokens, rec)
-        if spec.info.check == "reference":
+        check = spec.info.check
+        if spec.info.peer and (pair.target.quant or "").endswith(" int8"):
+            check = "agreement"  # a peer runs the float model; the target's int8 activations are another function
+        if check == "reference":
             reference, rec["check"] = (res.prompt_ids, tokens), "reference"
         elif settings.temperature > 0:
             rec["check"] = "skipped (T > 0)"
-        elif spec.info.check == "agreement":  # other arithmetic (llama.cpp): report how far it agrees, never fail
+        elif check == "agreement":  # other arithmetic (llama.cpp): report how far it agrees, never fail
             rec["agreement"] = agreement(reference[1], tokens)
-            rec["check"] = "identical" if tokens == reference[1] else "differs (llama.cpp)"
+            rec["check"] = "identical" if tokens == reference[1] else "differs (other arithmetic)"
         else:
             verdict = pair.check(reference[0], reference[1], tokens)
             rec["check"], rec["check_detail"] = verdict.kind, verdict.describe()
