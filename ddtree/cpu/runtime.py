@@ -105,21 +105,20 @@ class CPUTarget(_Wrapper):
     """The reference TargetModel (`reference`) with its CPU fast paths (protocol.Target): all layers in one C++ call
     for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given."""
 
-    _OWN = frozenset({"reference", "quant", "cpu_kernel", "kernel", "blocks", "stack", "head", "watch"})
-
-    @property
-    def int8(self) -> bool:
-        """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
-        return bool(self.quant) and self.quant.endswith(" int8")
+    _OWN = frozenset({"reference", "quant", "kernel", "blocks", "stack", "head", "watch"})
 
     def __init__(self, reference, cpu_kernel: str = "auto", quant: str | None = None, blocks=None):
         own = object.__setattr__
         own(self, "reference", reference)
         own(self, "quant", quant)  # e.g. "gguf Q4_1/Q8_0": the layers run on the GGUF's blocks (quant_target.py)
-        own(self, "cpu_kernel", qlinear.resolve_cpu_kernel(cpu_kernel))
         own(self, "kernel", qlinear.kernel(cpu_kernel) if qlinear.cpu_kernel_available(cpu_kernel) else None)
         own(self, "blocks", blocks)  # exact_blocks.ExactBlocks or None
         self._build()
+
+    @property
+    def int8(self) -> bool:
+        """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
+        return bool(self.quant) and self.quant.endswith(" int8")
 
     @torch.inference_mode(False)  # copies made during a pass (_follow_weights) stay ordinary tensors
     def _build(self) -> None:
