@@ -11,7 +11,7 @@ import torch
 
 from .attention import Visibility
 from .checker import Verdict, check_tokens
-from .config import CPU_KERNELS, ConfigError, SamplingParams
+from .config import ConfigError, SamplingParams
 from .cpu.qlinear import resolve_cpu_kernel
 from .cpu.runtime import attach, cpu_target
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
@@ -248,12 +248,11 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
     are exactly its weights (the same bits, fewer bytes; ddtree/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
     overrides True."""
-    if cpu_kernel not in CPU_KERNELS:
-        raise ConfigError(f"unknown cpu_kernel {cpu_kernel!r}; choose one of {', '.join(CPU_KERNELS)}")
+    kernel = resolve_cpu_kernel(cpu_kernel)  # a bad choice is refused here, before the slow load
     if not isinstance(gguf_blocks, bool):
         raise ConfigError(f"gguf_blocks must be True or False, got {gguf_blocks!r}")
     gguf = check_quant(quant, target, device, dtype)
-    if gguf is not None and resolve_cpu_kernel(cpu_kernel) == "off":
+    if gguf is not None and kernel == "off":
         raise ConfigError(f"quant={quant!r} runs on the CPU kernels, which cpu_kernel='off' (or DDTREE_CPU_KERNEL=0) "
                           "turns off; leave cpu_kernel at 'auto'")
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cpu.quant_target import int8_activations
 from .method_spec import REFERENCE, MethodSpec
 from .stats import STAGES
 
@@ -63,7 +64,7 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         if tamper is not None:  # stats' bare name
             tokens = tamper(spec, tokens, rec)
         check = spec.info.check
-        if spec.info.peer and (pair.target.quant or "").endswith(" int8"):
+        if spec.info.peer and int8_activations(pair.target.quant):
             check = "agreement"  # a peer runs the float model; the target's int8 activations are another function
         if check == "reference":
             reference, rec["check"] = (res.prompt_ids, tokens), "reference"

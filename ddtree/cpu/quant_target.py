@@ -73,6 +73,12 @@ def quantize_target(model, gguf_path: Path, int8: bool = False) -> str | None:
     return "gguf " + "/".join(sorted(kinds)) + (" int8" if int8 else "") if kinds else None
 
 
+def int8_activations(quant: str | None) -> bool:
+    """Does a target whose `quant` label (Target.quant, from quantize_target) is this quantize its activations to
+    int8? Then it computes another function than the float model (a peer's tokens are compared, not checked)."""
+    return bool(quant) and quant.endswith(" int8")
+
+
 def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]], QWeight | None]:
     """The GGUF's blocks of each layer's projections (by module path, LAYER_TENSORS) and of the LM head, each
     checked to dequantize exactly to the float weight `target` holds (None for a tensor type that stays float).

@@ -14,7 +14,6 @@ lossless tests): the stack sums every output in the row kernel's one order, what
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ from ..kv_cache import ContextCache, KVCache
 from ..protocol import RowLogits, TargetOutput
 from ..target import TargetModel
 from . import exact_blocks, qlinear, stack
-from .quant_target import quantize_target
+from .quant_target import int8_activations, quantize_target
 from .weights_watch import STALE, WeightsWatch
 
 # float32, one thread: from this many verified nodes, RowLogits (only the rows a walk reads) beat all rows at once
@@ -58,8 +57,7 @@ class Linear:
         self.weight, self.kernel, self.blocks, self.block_rows, self.bias = weight, kernel, blocks, block_rows, bias
         is_f32 = isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
         # int8: a compact 8-bit copy runs with int8 activations (a quant='gguf-int8' target's drafter)
-        copy = stack.compact_copy(weight) if compact and kernel is not None and is_f32 else None
-        self.compact = replace(copy, int8=True) if int8 and isinstance(copy, qlinear.QWeight) else copy
+        self.compact = stack.compact_copy(weight, int8) if compact and kernel is not None and is_f32 else None
         self.transposed = weight.detach().t().contiguous() if transposed and is_f32 else None
         self.skinny = (kernel is not None and is_f32 and weight.dim() == 2 and weight.shape[1] % 64 == 0
                        and weight.is_contiguous())
@@ -118,7 +116,7 @@ class CPUTarget(_Wrapper):
     @property
     def int8(self) -> bool:
         """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
-        return bool(self.quant) and self.quant.endswith(" int8")
+        return int8_activations(self.quant)
 
     @torch.inference_mode(False)  # copies made during a pass (_follow_weights) stay ordinary tensors
     def _build(self) -> None:

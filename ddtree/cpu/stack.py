@@ -145,22 +145,23 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     return half if torch.equal(half.float(), w) else None
 
 
-def compact_copy(weight: torch.Tensor) -> qlinear.QWeight | torch.Tensor | None:
+def compact_copy(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor | None:
     """The copy of a float32 weight [N, K] that the kernel reads with the fewest bytes and the weight's own bits:
     8-bit blocks with power-of-two scales (qlinear.po2_q8; 8.5 bits a weight) where its values are exactly such
     blocks (a drafter rounded by `train quantize`), else bfloat16 (16 bits) where they are all bf16 values (bf16_copy),
     else None. A drafter's pass reads its weights from memory after every target pass has evicted them, so bytes are
-    its time."""
+    its time. int8: the 8-bit blocks run with int8 activations (QWeight.int8: the drafter of a gguf-int8 target)."""
     if weight.dtype != torch.float32:
         return None
-    return qlinear.po2_q8(weight) or bf16_copy(weight)
+    blocks = qlinear.po2_q8(weight)
+    if blocks is not None:
+        return replace(blocks, int8=True) if int8 else blocks
+    return bf16_copy(weight)
 
 
 def compact_if_exact(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor:
-    """compact_copy(weight) where there is one (8-bit blocks with int8 activations if `int8`), else the weight."""
-    copy = compact_copy(weight)
-    if isinstance(copy, qlinear.QWeight) and int8:
-        return replace(copy, int8=True)
+    """compact_copy(weight, int8) where there is one, else the weight."""
+    copy = compact_copy(weight, int8)
     return weight.detach() if copy is None else copy
 
 
