@@ -14,6 +14,7 @@ from .checker import Verdict, check_tokens
 from .config import ConfigError, SamplingParams
 from .cpu.qlinear import resolve_cpu_kernel
 from .cpu.runtime import attach, cpu_target
+from .gpu import runtime as gpu_runtime
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
@@ -64,8 +65,9 @@ class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
     def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None):
-        # on a float32 CPU both run inside the CPU runtime (ddtree/cpu/runtime.py), built once here or at load
-        target, drafter = attach(target, drafter)
+        # on a float32 CPU both run inside the CPU runtime (ddtree/cpu/runtime.py), built once here or at load; on
+        # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/gpu/runtime.py)
+        target, drafter = gpu_runtime.attach(*attach(target, drafter))
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)
@@ -209,21 +211,25 @@ def _preview(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_quant(quant, target, device, dtype) -> Path | None:
+def check_quant(quant, target, device, dtype, kernel: str = "auto") -> Path | None:
     """The GGUF file whose blocks quant='gguf' / 'gguf-int8' runs (None without quant), or a ConfigError naming the
-    fix."""
+    fix. The arguments are checked before the target is looked for (a wrong combination is named as such, also
+    where the target is missing)."""
     if quant is None:
         return None
     if quant not in QUANTS:
         raise ConfigError(f"unknown quant {quant!r}; choose 'gguf' (the target GGUF's own blocks, float activations) "
                           "or 'gguf-int8' (the same blocks with int8 activations: llama.cpp's arithmetic)")
-    path = source_gguf(target)
-    if path is None:
-        raise ConfigError(f"quant='gguf' needs a GGUF target (the embedded default or a .gguf file), not {target!r}")
+    if kernel == "off":
+        raise ConfigError(f"quant={quant!r} runs on the CPU kernels, which cpu_kernel='off' (or DDTREE_CPU_KERNEL=0) "
+                          "turns off; leave cpu_kernel at 'auto'")
     if device is not None and torch.device(device).type != "cpu":
         raise ConfigError(f"quant='gguf' runs on the CPU only, not {device!r}; leave device unset")
     if dtype is not None and parse_dtype(dtype) != torch.float32:
         raise ConfigError(f"quant='gguf' takes float32 activations, not {dtype!r}; leave dtype unset")
+    path = source_gguf(target)
+    if path is None:
+        raise ConfigError(f"quant='gguf' needs a GGUF target (the embedded default or a .gguf file), not {target!r}")
     return path
 
 
@@ -251,10 +257,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     kernel = resolve_cpu_kernel(cpu_kernel)  # a bad choice is refused here, before the slow load
     if not isinstance(gguf_blocks, bool):
         raise ConfigError(f"gguf_blocks must be True or False, got {gguf_blocks!r}")
-    gguf = check_quant(quant, target, device, dtype)
-    if gguf is not None and kernel == "off":
-        raise ConfigError(f"quant={quant!r} runs on the CPU kernels, which cpu_kernel='off' (or DDTREE_CPU_KERNEL=0) "
-                          "turns off; leave cpu_kernel at 'auto'")
+    gguf = check_quant(quant, target, device, dtype, kernel)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)

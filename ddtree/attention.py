@@ -35,6 +35,11 @@ class Visibility:
         self._dense: dict[int, torch.Tensor] = {}
         self._bits: torch.Tensor | None = None
 
+    @property
+    def lower_triangular(self) -> bool:
+        """Is the new rows' visibility lower-triangular (a tree or a chain: parents precede children)?"""
+        return self.ancestors is not None
+
     @classmethod
     def causal(cls, past_len: int, n: int, device) -> "Visibility":
         if n == 1:
@@ -110,7 +115,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, b
 
         # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key
         # blocks past each tile's last node; the drafter's all-visible block is not.
-        return tree_attention(q, k, v, vis.past_len, vis.bits(n, q.device), causal_tree=vis.ancestors is not None)
+        return tree_attention(q, k, v, vis.past_len, vis.bits(n, q.device), causal_tree=vis.lower_triangular)
     if backend != "sdpa":
         raise ValueError(f"attention backend {backend!r} is not a resolved one ('sdpa' or 'triton'): resolve it once "
                          "with resolve_backend() when the model is built")
@@ -119,4 +124,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, b
     # Fold the query heads that share a KV head into the query axis: no copy of K/V for GQA.
     qf = q.reshape(hkv, group * n, d)
     out = F.scaled_dot_product_attention(qf[None], k[None], v[None], attn_mask=vis.dense(group))
-    return out.view(hq, n, d)
+    return out.reshape(hq, n, d)  # CUDA's SDPA kernels may return other strides than the CPU's: a view can fail

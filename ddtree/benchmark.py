@@ -98,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_arithmetic_args(p)
     p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
+    p.add_argument("--sync-stages", action="store_true",
+                   help="on CUDA: synchronize at every stage edge, so each stage column carries its own GPU time "
+                        "(off: the columns are host times and the speed figures are measured without the syncs)")
     p.add_argument("--out", default="results", help="results directory (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
     p.add_argument("--traces", action="store_true",
@@ -392,6 +395,7 @@ def _main(args) -> int:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant,
                     cpu_kernel=args.cpu_kernel, gguf_blocks=not args.no_gguf_blocks)
+    pair.decoder.sync_stages = args.sync_stages
     if rank == 0:
         barrier(world)
     env = environment(pair, args.threads, world)

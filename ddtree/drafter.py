@@ -17,7 +17,7 @@ from torch import nn
 
 from .attention import Visibility, attend, window_visible
 from .config import ConfigError, ModelConfig, read_config
-from .kv_cache import ContextCache, KVCache
+from .kv_cache import ContextCache, KVCache, add_context, flush_context
 from .layers import DecoderLayer, RMSNorm, Rotary
 from .loading import check_shapes, read_safetensors
 
@@ -221,15 +221,11 @@ class DFlashDrafter(nn.Module):
         ContextCache (new_cache) queues them for the next draft(), which computes all queued rows in one pass:
         steps that do not draft (budget="auto" declining on a slow verify) then cost the drafter nothing. Any
         other cache gets them now."""
-        if isinstance(cache, ContextCache):
-            cache.pending.append(features)
-        else:
-            self.context_pass(cache, features)
+        add_context(cache, features, self.context_pass)
 
     def flush_context(self, cache: KVCache) -> None:
         """Compute the context that add_context queued (draft() does this first)."""
-        if isinstance(cache, ContextCache) and (features := cache.take_pending()) is not None:
-            self.context_pass(cache, features)
+        flush_context(cache, self.context_pass)
 
     @torch.inference_mode()
     def context_pass(self, cache: KVCache, features: torch.Tensor) -> None:

@@ -250,8 +250,9 @@ def check_block_size(block_size, drafter_block: int) -> int:
 class Decoder:
     """Runs one method over a target (and drafter) for one prompt at a time (batch size 1)."""
 
-    def __init__(self, target, drafter=None):
+    def __init__(self, target, drafter=None, sync_stages: bool = False):
         self.target, self.drafter = target, drafter
+        self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
 
     def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
         """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, or with
@@ -322,7 +323,7 @@ class Decoder:
                                 attention_backend=target.attention_backend,
                                 backend=target.backend,
                                 drafter=drafter.label if method.uses_drafter else "")
-        timer = StageTimer(device)
+        timer = StageTimer(device, self.sync_stages)
         t0 = time.perf_counter()
 
         with timer("prefill"):

@@ -65,3 +65,19 @@ class ContextCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.pending.clear()
+
+
+def add_context(cache: KVCache, features: torch.Tensor, context_pass) -> None:
+    """A drafter's context for the next n committed tokens (features [n, taps * H]): queued on a ContextCache (its next
+    draft computes all queued rows in one pass: steps that do not draft cost the drafter nothing), computed now by
+    context_pass(cache, features) on any other cache."""
+    if isinstance(cache, ContextCache):
+        cache.pending.append(features)
+    else:
+        context_pass(cache, features)
+
+
+def flush_context(cache: KVCache, context_pass) -> None:
+    """Compute what add_context queued, in one context_pass (a draft does this first)."""
+    if isinstance(cache, ContextCache) and (features := cache.take_pending()) is not None:
+        context_pass(cache, features)

@@ -5,6 +5,7 @@ import torch
 
 from .config import ModelConfig
 from .cpu.runtime import attach
+from .gpu import runtime as gpu_runtime
 from .drafter import untrained_drafter
 from .target import TargetModel
 
@@ -31,7 +32,7 @@ def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, devic
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * init_scale)
     model = model.to(device=device, dtype=dtype).eval().fuse(fused)
-    return attach(model, None)[0] if runtime else model
+    return gpu_runtime.attach(*attach(model, None))[0] if runtime else model
 
 
 def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, block_size: int = 8, **kw):
@@ -39,7 +40,7 @@ def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, b
     target = random_target(arch, seed, **kw)
     drafter = untrained_drafter(target, num_draft_layers, block_size, seed=seed + 1)
     drafter.label = "random"
-    return attach(target, drafter) if kw.get("runtime", True) else (target, drafter)
+    return gpu_runtime.attach(*attach(target, drafter)) if kw.get("runtime", True) else (target, drafter)
 
 
 def char_tokenizer():

@@ -39,7 +39,7 @@ def _online_softmax_step(acc, m_i, l_i, s, v, P_DTYPE: tl.constexpr, INPUT_PRECI
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, Bits, Out, PartO, PartLse,
+    Q, K, V, Bits, Out, PartO, PartLse, PastLen,
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kt, stride_kd,
     stride_vh, stride_vt, stride_vd,
@@ -49,12 +49,16 @@ def _tree_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, CAUSAL_TREE: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PAST_ON_DEVICE: tl.constexpr,
 ):
     # grid = (cdiv(G * N, BLOCK_M), Hkv, num_splits)
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
+    if PAST_ON_DEVICE:  # read at run time (a captured CUDA graph serves every past length): the splits share it out
+        past_len = tl.load(PastLen)
+        blocks_per_split = tl.cdiv(tl.cdiv(past_len, BLOCK_N), n_splits)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # folded rows [BLOCK_M]
     node = rows // GROUP
@@ -118,7 +122,9 @@ def _tree_attention_kernel(
             v = v.to(tl.float32)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, Q.dtype.element_ty, INPUT_PRECISION)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # l == 0 only on padding rows (never stored)
+    # l == 0 on padding rows (never stored) and, with the past read on the device, on a split that got no past
+    # block: its partial is 0 with log2-sum-exp -1e30, which the combine weighs 0
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:  # fp32 partials: PartO [S, Hq, N, BLOCK_D], PartLse [S, Hq, N] (log2 domain)
@@ -229,7 +235,13 @@ def _check_inputs(q, k, v, past_len, anc_bits):
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     if n < 1:
         raise ValueError("need at least one tree node")
-    if past_len < 0 or t < past_len + n:
+    if isinstance(past_len, torch.Tensor):  # read by the kernel: only its form can be checked here
+        if past_len.dtype != torch.int32 or past_len.numel() != 1 or past_len.device != q.device:
+            raise ValueError(f"a device past_len must be one int32 on {q.device}, got {past_len.dtype} "
+                             f"{tuple(past_len.shape)} on {past_len.device}")
+        if t < n:
+            raise ValueError(f"k/v have {t} rows, fewer than the N = {n} new rows")
+    elif past_len < 0 or t < past_len + n:
         raise ValueError(f"k/v have {t} rows but past_len + N = {past_len} + {n} rows are needed")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -244,11 +256,15 @@ def _check_inputs(q, k, v, past_len, anc_bits):
         raise ValueError("tree_attention needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)")
 
 
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int, anc_bits: torch.Tensor,
-                   scale: float | None = None, *, out: torch.Tensor | None = None,
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: int | torch.Tensor,
+                   anc_bits: torch.Tensor, scale: float | None = None, *, out: torch.Tensor | None = None,
                    config: TreeAttentionConfig | None = None, causal_tree: bool = False) -> torch.Tensor:
     """softmax(q k^T * scale + tree mask) v for q [Hq, N, D], k/v [Hkv, T >= past + N, D] -> [Hq, N, D].
 
+    past_len: an int, or an int32 tensor [1] on q's device that the kernel reads when it runs, so that one
+    captured CUDA graph serves every past length (the caller keeps past + N <= T: nothing can check it here).
+    Then the split-K count is fixed for the largest past that fits (T - N), and splits beyond the past's end
+    exit at once.
     causal_tree=True promises lower-triangular bits (always true for DDTree trees and chains) and lets
     the kernel skip tree key blocks beyond each tile's last node; leave False for arbitrary masks.
     out: optional preallocated [Hq, N, D] output in q's dtype (any strides).
@@ -262,14 +278,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: 
     elif tuple(out.shape) != (hq, n, d) or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {q.dtype} [{hq}, {n}, {d}] on {q.device}")
     scale = d ** -0.5 if scale is None else float(scale)
-    cfg = config or select_config(group * n, past_len, d, hkv, q.device, q.element_size())
+    on_device = isinstance(past_len, torch.Tensor)
+    longest = k.shape[1] - n if on_device else past_len
+    cfg = config or select_config(group * n, longest, d, hkv, q.device, q.element_size())
     if cfg.block_n < 32 or cfg.block_n % 32 or cfg.block_m < 16:
         raise ValueError(f"config needs block_n a multiple of 32 and block_m >= 16, got {cfg}")
     block_d = max(16, triton.next_power_of_2(d))
-    past_blocks = triton.cdiv(past_len, cfg.block_n)
+    past_blocks = triton.cdiv(longest, cfg.block_n)
     splits = max(1, min(cfg.num_splits, past_blocks))
     blocks_per_split = triton.cdiv(past_blocks, splits) if past_blocks else 0
-    if splits > 1:
+    if splits > 1 and not on_device:
         splits = triton.cdiv(past_blocks, blocks_per_split)  # every split owns >= 1 past block
     split = splits > 1
     if split:
@@ -279,13 +297,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_len: 
         part_o = part_lse = out  # unused
     grid = (triton.cdiv(group * n, cfg.block_m), hkv, splits)
     _tree_attention_kernel[grid](
-        q, k, v, anc_bits, out, part_o, part_lse,
+        q, k, v, anc_bits, out, part_o, part_lse, past_len if on_device else anc_bits,
         *q.stride(), *k.stride(), *v.stride(), *anc_bits.stride(), *out.stride(),
-        past_len, n, blocks_per_split, scale * _LOG2E,
+        0 if on_device else past_len, n, blocks_per_split, scale * _LOG2E,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         SPLIT=split, CAUSAL_TREE=causal_tree,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
-        UPCAST=q.dtype != torch.float32 and _interpreting(),
+        UPCAST=q.dtype != torch.float32 and _interpreting(), PAST_ON_DEVICE=on_device,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:

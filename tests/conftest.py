@@ -70,7 +70,7 @@ def plant_oracle(drafter, reference: list[int], seed: int = 0, top1: float = 0.6
                     logits[i - 1, reference[pos]] += 1e-4
         if self.cfg.reduced_vocab:  # a reduced draft vocabulary drafts only its own tokens: keep their columns
             logits = logits[:, torch.arange(self.cfg.draft_vocab_size) + self.d2t.cpu()]
-        return logits.to(self.fc.weight.dtype)
+        return logits.to(self.fc.weight.device, self.fc.weight.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
     return drafter

@@ -15,6 +15,7 @@ from ddtree.testing import random_pair  # noqa: E402
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel natively, else in the interpreter
 
 
 def test_backend_selection(monkeypatch):
@@ -55,11 +56,11 @@ def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
     save_file({k: v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"},
               str(tmp_path / "model.safetensors"))
     monkeypatch.setenv("DDTREE_ATTENTION", "triton")
-    loaded = load_target(tmp_path, torch.float32, "cpu")
+    loaded = load_target(tmp_path, torch.float32, DEVICE)
     assert loaded.attention_backend == "triton"
     monkeypatch.setenv("DDTREE_ATTENTION", "flash9")  # read on a pass, this would raise
-    ids = torch.tensor([1, 2, 3])
-    loaded(ids, torch.arange(3), loaded.new_cache(3), Visibility.causal(0, 3, "cpu"))
+    ids = torch.tensor([1, 2, 3], device=DEVICE)
+    loaded(ids, torch.arange(3, device=DEVICE), loaded.new_cache(3), Visibility.causal(0, 3, DEVICE))
     assert loaded.attention_backend == "triton"
     with pytest.raises(ValueError, match="not a resolved one"):
         attend(torch.zeros(4, 1, 16), torch.zeros(2, 1, 16), torch.zeros(2, 1, 16), Visibility(0, None), "auto")
@@ -68,11 +69,11 @@ def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
 @pytest.mark.parametrize("ancestors", ["tree", "none"])
 def test_seam_backends_agree(ancestors):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, generator=g) for s in ((8, 5, 16), (2, 12, 16), (2, 12, 16)))
+    q, k, v = (torch.randn(s, generator=g).to(DEVICE) for s in ((8, 5, 16), (2, 12, 16), (2, 12, 16)))
     anc = None
     if ancestors == "tree":
         anc = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
-                           dtype=torch.bool)
+                           dtype=torch.bool, device=DEVICE)
     a = attend(q, k, v, Visibility(7, anc), "sdpa")
     b = attend(q, k, v, Visibility(7, anc), "triton")
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -80,7 +81,7 @@ def test_seam_backends_agree(ancestors):
 
 @pytest.mark.slow
 def test_engine_with_triton_backend_is_lossless():
-    target, drafter = random_pair("qwen3", seed=12, block_size=4, num_layers=2, num_draft_layers=1)
+    target, drafter = random_pair("qwen3", seed=12, block_size=4, num_layers=2, num_draft_layers=1, device=DEVICE)
     prompt = [3, 9, 27, 81 % 96, 5]
     reference, _ = run(target, None, prompt, "ar", max_new_tokens=10)
     plant_oracle(drafter, prompt + reference + [0] * 50, seed=0, top1=0.7)

@@ -151,7 +151,8 @@ def test_calibration_rounds_interleave_sizes_and_the_curve_never_falls():
     the later sizes 3x the cost), and a larger tree never costs less than a smaller one."""
     fake = DriftingTarget()
     cost = calibrate(fake, fake, context=8, sizes=(1, 2, 4), repeats=4, stop_when_hopeless=False)
-    assert fake.sizes == [1, 2, 4] * 5  # a warm-up round, then 4 rounds over all sizes
+    assert fake.sizes == [1, 1, 2, 2, 4, 4] + [1, 2, 4] * 4  # a warm-up round (a set-up call, then a timed one
+    # per size), then 4 rounds over all sizes
     v = np.asarray(cost.verify_seconds)
     assert np.all(np.diff(v) >= 0), v  # the 2-node pass's 2.5 ms is lifted to the 1-node pass's cost
     assert 3.0 < v[2] / v[0] < 6.0, v  # ~4x, as on a steady machine: not bent by the drift

@@ -163,6 +163,30 @@ def test_causal_tree_skip_matches(config):
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [B(16, 32), B(16, 32, num_splits=3), B(16, 32, num_splits=9)])
+def test_past_length_read_on_the_device(config):
+    """A device past_len (what a captured CUDA graph passes): the same output as the int for any past that fits,
+    with the split count fixed for the longest past (T - N), so splits past the end get no block and weigh 0;
+    with one split it is the same arithmetic, so the same bits. The rows beyond past + N are poisoned."""
+    n, cap = 11, 100
+    q, k, v = make_inputs(F32, 4, 2, 32, cap - n, n, seed=9)
+    anc = ancestor_matrix(n, "bushy", torch.Generator().manual_seed(3)).to(DEVICE)
+    bits = pack_ancestor_bits(anc)
+    for past in (0, 5, 40, cap - n):
+        kp, vp = k.clone(), v.clone()  # node j's K/V at row past + j, the rows after it poisoned
+        kp[:, past:past + n], vp[:, past:past + n] = k[:, cap - n:cap], v[:, cap - n:cap]
+        kp[:, past + n:], vp[:, past + n:] = float("nan"), float("nan")
+        on_host = ta.tree_attention(q, kp, vp, past, bits, config=config, causal_tree=True)
+        dev_past = torch.tensor([past], dtype=torch.int32, device=DEVICE)
+        on_device = ta.tree_attention(q, kp, vp, dev_past, bits, config=config, causal_tree=True)
+        assert torch.isfinite(on_device).all(), past
+        if config.num_splits == 1:
+            assert torch.equal(on_device, on_host), past
+        torch.testing.assert_close(on_device, ta.tree_attention_reference(q, kp, vp, past, anc), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="one int32"):
+        ta.tree_attention(q, k, v, torch.tensor([1], device=DEVICE), bits)
+
+
 def test_token_major_cache_and_custom_scale():
     check(F16, 4, 2, 64, 37, 15, "bushy", seed=3, layout="token_major", scale=0.3)
     check(F32, 4, 1, 32, 5, 9, "deep", B(16, 32), seed=4, layout="token_major")  # head_dim 32

@@ -197,8 +197,9 @@ AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
     """The AVX-512 build takes up to 12 rows in one pass, on other tiles; every output keeps its one chain of
     sums, so each product, and a whole target's logits through the decoder stack, are the AVX2 build's bits."""
-    from ddtree import exact_blocks, qlinear
     from ddtree.attention import Visibility
+    from ddtree.cpu import qlinear
+    from ddtree.cpu.runtime import CPUTarget
 
     avx2, avx512 = qlinear.build_kernel("avx2"), qlinear.build_kernel("avx512")
     assert (avx2.wide_pass_rows, avx512.wide_pass_rows, avx2.isa, avx512.isa) == (5, 12, "avx2", "avx512")
@@ -223,15 +224,13 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
 
     def logits_with(build):
         """A random target's stack built on `build`: a prompt, then a 9-node tree pass and a 1-row step."""
-        monkeypatch.setattr(qlinear, "kernel", lambda: build)
-        exact_blocks.layer_max_rows.cache_clear()
-        exact_blocks.head_max_rows.cache_clear()
-        target = random_target("qwen3", seed=3, fused=False)
+        monkeypatch.setattr(qlinear, "kernel", lambda choice="auto": build)
+        reference = random_target("qwen3", seed=3, fused=False, runtime=False)
         with torch.no_grad():  # bf16 values, as a checkpoint published in bf16: the stack streams bf16 copies
-            for p in target.parameters():
+            for p in reference.parameters():
                 p.copy_(p.bfloat16().float())
-        target.fuse(True)
-        assert target.stack is not None
+        target = CPUTarget(reference.fuse(True))  # the runtime takes qlinear.kernel(): `build`
+        assert target.kernel is build and target.stack is not None
         cache = target.new_cache(64)
         ids = torch.randint(0, target.cfg.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
         target(ids[:20], torch.arange(20), cache, Visibility.causal(0, 20, "cpu"))
@@ -241,12 +240,8 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
         step = target(ids[20:21], torch.arange(20, 21), cache, Visibility(20, None)).logits
         return tree, step
 
-    try:
-        for a, b in zip(logits_with(avx2), logits_with(avx512)):
-            assert torch.equal(a, b)
-    finally:
-        exact_blocks.layer_max_rows.cache_clear()
-        exact_blocks.head_max_rows.cache_clear()
+    for a, b in zip(logits_with(avx2), logits_with(avx512)):
+        assert torch.equal(a, b)
 
 
 def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):

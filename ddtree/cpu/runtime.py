@@ -22,9 +22,10 @@ from torch import nn
 from ..config import ConfigError
 from ..fused import FusedLinear
 from ..knobs import env_flag
-from ..kv_cache import ContextCache, KVCache
+from ..kv_cache import ContextCache, KVCache, add_context, flush_context
 from ..protocol import RowLogits, TargetOutput
 from ..target import TargetModel
+from ..wrapping import RuntimeWrapper
 from . import exact_blocks, qlinear, stack
 from .quant_target import int8_activations, quantize_target
 from .weights_watch import STALE, WeightsWatch
@@ -82,24 +83,7 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
-class _Wrapper:
-    """A runtime object around a reference model (`reference`): what it does not define is the model's, read and
-    written (`pair.target.model.layers`, `pair.drafter.label = ...`), except its own state (_OWN) and a method of
-    its own replaced on the instance (a test's oracle draft)."""
-
-    _OWN: frozenset = frozenset()
-
-    def __getattr__(self, name):
-        return getattr(self.reference, name)
-
-    def __setattr__(self, name, value):
-        if name in self._OWN or callable(getattr(type(self), name, None)):  # its state, or one of its methods replaced
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.reference, name, value)
-
-
-class CPUTarget(_Wrapper):
+class CPUTarget(RuntimeWrapper):
     """The reference TargetModel (`reference`) with its CPU fast paths (protocol.Target): all layers in one C++ call
     for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given."""
 
@@ -247,7 +231,7 @@ class CPUTarget(_Wrapper):
             raise ConfigError(STALE)
 
 
-class CPUDrafter(_Wrapper):
+class CPUDrafter(RuntimeWrapper):
     """The reference DFlashDrafter (`reference`, bound to a CPUTarget) with its CPU fast paths: the draft layers
     and the context pass as one C++ call each, and a reduced head through Linear."""
 
@@ -305,19 +289,14 @@ class CPUDrafter(_Wrapper):
 
     def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlashDrafter.add_context: queued on a ContextCache, computed now on any other cache."""
-        if isinstance(cache, ContextCache):
-            cache.pending.append(features)
-        else:
-            self._current()
-            self._context(cache, features)
+        add_context(cache, features, self._checked_context)
 
     def flush_context(self, cache: KVCache) -> None:
-        self._current()
-        self._flush(cache)
+        flush_context(cache, self._checked_context)
 
-    def _flush(self, cache: KVCache) -> None:
-        if isinstance(cache, ContextCache) and (features := cache.take_pending()) is not None:
-            self._context(cache, features)
+    def _checked_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        self._current()
+        self._context(cache, features)
 
     @torch.inference_mode()
     def _context(self, cache: KVCache, features: torch.Tensor) -> None:
@@ -335,7 +314,7 @@ class CPUDrafter(_Wrapper):
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """DFlashDrafter.draft: logits [length - 1, draft vocab] for block positions 1..length-1."""
         self._current()  # once per draft: are its copies still the weights'?
-        self._flush(cache)
+        flush_context(cache, self._context)
         ref = self.reference
         h, cos, sin, visibility = ref.block_inputs(cache, bonus, length)
         if len({id(v) for v in visibility}) == 1 and stack.usable(self.stack, h.shape[0], ref.attention_backend,

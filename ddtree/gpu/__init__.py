@@ -1,0 +1,1 @@
+"""The CUDA runtime (captured graphs of the reference models' passes): runtime.py."""

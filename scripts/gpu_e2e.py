@@ -1,0 +1,263 @@
+"""End-to-end decoding on a GPU, eager (the reference models, launch by launch) against the CUDA-graph runtime
+(ddtree/gpu/runtime.py), side by side in one run: tokens/s, tau, speedup over `ar` of the same mode, and every
+method's tokens checked against `ar`'s (greedy).
+
+    python scripts/gpu_e2e.py embedded                 # SmolLM2-135M + the shipped drafter, dataset prompts
+    python scripts/gpu_e2e.py qwen3-8b --context 2048   # Qwen3-8B shapes, seeded weights, an oracle drafter
+    SMOKE=1 python scripts/gpu_e2e.py qwen3-8b          # tiny shapes on the CPU (no graphs): checks the script
+
+qwen3-8b: the target has Qwen3-8B's shapes (36 layers, 4096 hidden, 32/8 heads, 151,936 vocab, bf16) and seeded
+weights built so that its greedy continuation is a fixed permutation of the last token (the LM head's rows are the
+embedding's, permuted, and the layers' residual writes are small), which bf16 rounding never flips; the drafter is
+a real 5-layer DFlash module of block 16 (its passes run, so the draft costs what a published drafter's does)
+whose logits are replaced by an oracle: at each block position the target's next token is ranked first with
+probability --top1, else second or third. So the acceptance is controlled and the costs are real. It also times
+one target pass of N = 1..256 nodes at the context length (CUDA events, median), against the weights' bytes over
+the measured copy bandwidth.
+Writes gpu_e2e_<which>.json to $OUT (default .).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import types
+
+import torch
+
+SMOKE = os.environ.get("SMOKE") == "1"
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel in its CPU interpreter: set before the import
+
+from ddtree.attention import Visibility  # noqa: E402
+from ddtree.checker import check_tokens  # noqa: E402
+from ddtree.config import ModelConfig, SamplingParams  # noqa: E402
+from ddtree.engine import Decoder, make_method  # noqa: E402
+from ddtree.gpu import runtime as gpu  # noqa: E402
+
+DEV = torch.device("cpu" if SMOKE else "cuda")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (the kernel benchmark's measure)."""
+    if DEV.type != "cuda":
+        return float("nan")
+    from bench_tree_attention import copy_bandwidth as measured  # scripts/ is on the path of a script run there
+
+    return measured()[0]
+
+
+def qwen3_8b_pair():
+    """(target, drafter) references with the 8B shapes (tiny with SMOKE) and a deterministic greedy continuation."""
+    from ddtree.drafter import untrained_drafter
+    from ddtree.target import TargetModel
+    from ddtree.testing import QWEN3_8B, TINY
+
+    shape = {**TINY, "arch": "qwen3"} if SMOKE else QWEN3_8B
+    cfg = ModelConfig(**shape, tie_word_embeddings=False)
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    with torch.device(DEV):
+        target = TargetModel(cfg, "triton").to(dtype).eval()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    perm = torch.randperm(cfg.vocab_size, generator=gen, device=DEV)
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0, generator=gen)
+            elif name == "lm_head.weight":
+                continue
+            else:  # residual writes small (o_proj, down_proj): the stream stays the token's embedding
+                p.normal_(0.0, 0.001 if ("o_proj" in name or "down_proj" in name) else 0.02, generator=gen)
+        target.lm_head.weight[perm] = target.model.embed_tokens.weight  # row perm[t] scores token t highest
+    target.fuse()
+    drafter = untrained_drafter(target, num_layers=2 if SMOKE else 5, block_size=16, seed=1)
+    return target, drafter, perm
+
+
+def plant_oracle(drafter, perm: torch.Tensor, top1: float, seed: int = 5):
+    """drafter.draft() runs the real pass, then ranks perm^i(bonus) (the target's greedy token at block position i)
+    first with probability top1, else second or third behind random decoys."""
+    real = drafter.draft
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+
+    def draft(self, cache, bonus, length=None):
+        logits = real(cache, bonus, length)  # [L - 1, V]: the real drafter's cost
+        n, v = logits.shape
+        truth, tok = [], bonus.view(1)
+        for _ in range(n):
+            tok = perm[tok]
+            truth.append(tok)
+        truth = torch.cat(truth)
+        new = torch.randn(n, v, generator=gen, device=DEV)
+        r = torch.rand(n, generator=gen, device=DEV)
+        rank = torch.where(r < top1, 0, torch.where(r < (1 + top1) / 2, 1, 2))
+        rows = torch.arange(n, device=DEV)
+        decoys = torch.randint(0, v, (n, 2), generator=gen, device=DEV)
+        new[rows, decoys[:, 0]] = torch.where(rank >= 1, 14.0, 0.0)
+        new[rows, decoys[:, 1]] = torch.where(rank >= 2, 13.0, 0.0)
+        new[rows, truth] = 14.0 - rank.float()
+        return new.to(logits.dtype)
+
+    drafter.draft = types.MethodType(draft, drafter)
+
+
+def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: int = 20) -> dict:
+    """Median ms of one target pass over a chain of N nodes after `context` committed rows (CUDA events)."""
+    cache = target.new_cache(context + 300)
+    ids = torch.randint(0, target.cfg.vocab_size, (context,), device=DEV)
+    target(ids, torch.arange(context, device=DEV), cache, Visibility.causal(0, context, DEV), last_only=True)
+    cache.commit(context)
+    out = {}
+    for n in sizes:
+        tokens = torch.randint(0, target.cfg.vocab_size, (n,), device=DEV)
+        positions = torch.arange(context, context + n, device=DEV)
+        vis = Visibility.causal(context, n, DEV)
+        for _ in range(3):
+            target(tokens, positions, cache, vis)
+        times = []
+        for _ in range(reps):
+            if DEV.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                target(tokens, positions, cache, vis)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                target(tokens, positions, cache, vis)
+                times.append(1e3 * (time.perf_counter() - t0))
+        out[n] = sorted(times)[reps // 2]
+    return out
+
+
+def verdict(target, prompt: list[int], reference: list[int], tokens: list[int]) -> str:
+    """The checker's greedy verdict (identical / tie_flip / error) of tokens against ar's, with the eager target's
+    own logits (see ddtree/checker.py)."""
+    def logits_after(generated, every=False):
+        ids = torch.tensor(prompt + generated, device=DEV)
+        cache = target.new_cache(len(ids))
+        out = target(ids, torch.arange(len(ids), device=DEV), cache, Visibility.causal(0, len(ids), DEV),
+                     last_only=not every)
+        return out.logits[len(prompt) - 1:len(ids) - 1] if every else out.logits[0]
+
+    return check_tokens(reference, tokens, lambda i: logits_after(reference[:i]), target.dtype,
+                        lambda: logits_after(tokens, every=True)).kind
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("which", choices=["embedded", "qwen3-8b"])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    ap.add_argument("--prompts", type=int, default=3, help="per dataset (embedded) / random prompts (qwen3-8b)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=2048, help="qwen3-8b: prompt length")
+    ap.add_argument("--top1", type=float, default=0.8, help="qwen3-8b: the oracle's top-1 rate")
+    ap.add_argument("--modes", nargs="+", default=["eager", "graphs"])
+    ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
+                    help="embedded: built-in sets or JSONL files")
+    args = ap.parse_args()
+    t0 = time.time()
+    report = dict(which=args.which, device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu",
+                  torch=torch.__version__, args=vars(args))
+    if args.which == "embedded":
+        import ddtree
+        from ddtree.datasets import load_prompts
+
+        pair = ddtree.load(device=DEV)
+        ref_t, ref_d = getattr(pair.target, "reference", pair.target), getattr(pair.drafter, "reference", pair.drafter)
+        if SMOKE:  # the CPU's own runtime aside: the reference with the interpreted kernel
+            ref_t.attention_backend = ref_d.attention_backend = "triton"
+        prompts = [pair.encode(p) for name in args.datasets for p in load_prompts(name, args.prompts)]
+        stops = pair.stop_ids
+    else:
+        ref_t, ref_d, perm = qwen3_8b_pair()
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, ref_t.cfg.vocab_size, (args.context,), generator=g).tolist()
+                   for _ in range(args.prompts)]
+        stops = ()
+    print(f"loaded in {time.time() - t0:.1f}s on {report['device']}", flush=True)
+    decoders = {}
+    for mode in args.modes:
+        if mode == "eager":
+            t, d = ref_t, ref_d
+        else:
+            t = gpu.GPUTarget(ref_t, graphs=(mode == "graphs" and DEV.type == "cuda"))
+            d = gpu.GPUDrafter(ref_d, graphs=t.graphs)  # ref_d stays bound to ref_t: the same embedding and head
+        if args.which == "qwen3-8b":
+            plant_oracle(d, perm, args.top1)
+        decoders[mode] = Decoder(t, d)
+    methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
+    rows = []
+    for mode, dec in decoders.items():
+        longest = max(map(len, prompts)) + args.max_new_tokens + max(args.budgets) + 1
+        dec.target.new_cache(longest)  # the runtime keeps its largest cache: the graphs captured next stay valid
+        dec.drafter.new_cache(longest)
+        made = {(m, b): make_method(m, b, None, dec.drafter) for m, b in methods}
+        for (m, b), method in made.items():  # warm-up: Triton compiles, graphs are captured, cuBLAS picks
+            dec.generate(prompts[0][:64], method, SamplingParams(), 48, stops)
+        refs = {}
+        for (m, b), method in made.items():
+            new = secs = steps = acc = 0
+            stages: dict[str, float] = {}
+            verdicts = []
+            for i, ids in enumerate(prompts):
+                sync()
+                tokens, st = dec.generate(ids, method, SamplingParams(), args.max_new_tokens, stops)
+                new, secs, steps, acc = new + st.new_tokens, secs + st.seconds, steps + st.steps, acc + sum(st.acceptance_lengths)
+                if m == "ar":
+                    refs[i] = tokens
+                else:
+                    verdicts.append("identical" if tokens == refs[i] else verdict(ref_t, ids, refs[i], tokens))
+            dec.sync_stages = True  # one more run of the first prompt for per-stage GPU times
+            _, st = dec.generate(prompts[0], method, SamplingParams(), args.max_new_tokens, stops)
+            dec.sync_stages = False
+            stages = {k: round(1e3 * v / max(1, st.steps), 3) for k, v in st.stage_seconds.items()}
+            row = dict(mode=mode, method=m, budget=b, tok_s=new / secs, tau=acc / max(1, steps), steps=steps,
+                       new_tokens=new, ms_per_step=stages, verdicts=verdicts)
+            rows.append(row)
+            print(f"{mode:7s} {m:7s} B={b or '-':>4} {row['tok_s']:8.1f} tok/s tau={row['tau']:5.2f} "
+                  f"{' '.join(f'{k}={v:.2f}' for k, v in stages.items())} "
+                  f"{'all identical' if all(v == 'identical' for v in verdicts) else verdicts}", flush=True)
+    for mode in decoders:
+        ar = next(r["tok_s"] for r in rows if r["mode"] == mode and r["method"] == "ar")
+        for r in rows:
+            if r["mode"] == mode:
+                r["speedup_vs_ar"] = r["tok_s"] / ar
+    eager_ar = next((r["tok_s"] for r in rows if r["mode"] == "eager" and r["method"] == "ar"), None)
+    print(f"\n{'mode':7s} {'method':7s} {'B':>4} {'tok/s':>8} {'tau':>5} {'x ar':>6} {'x eager ar':>10}")
+    for r in rows:
+        vs_eager = f"{r['tok_s'] / eager_ar:10.2f}" if eager_ar else ""
+        print(f"{r['mode']:7s} {r['method']:7s} {r['budget'] or '-':>4} {r['tok_s']:8.1f} {r['tau']:5.2f} "
+              f"{r['speedup_vs_ar']:6.2f} {vs_eager}")
+    report["rows"] = rows
+    if args.which == "qwen3-8b":
+        bw = copy_bandwidth()
+        weight_bytes = sum(p.numel() * p.element_size() for p in ref_t.parameters())
+        floor_ms = 1e3 * weight_bytes / (bw / 2) if bw == bw else float("nan")  # each byte read once
+        passes = {}
+        for mode, dec in decoders.items():
+            passes[mode] = time_passes(dec.target, args.context)
+            one = passes[mode][1]
+            print(f"{mode}: target pass ms at context {args.context}: "
+                  + " ".join(f"N={n}:{ms:.2f}" for n, ms in passes[mode].items())
+                  + f" | N=1 / weights floor {one / floor_ms:.2f}x, N=64 / N=1 {passes[mode][64] / one:.2f}x")
+        report.update(copy_bandwidth_Bps=bw, weight_bytes=weight_bytes, weights_floor_ms=floor_ms, pass_ms=passes)
+        print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
+              f"weights read once: {floor_ms:.2f} ms")
+    path = os.path.join(os.environ.get("OUT", "."), f"gpu_e2e_{args.which}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path} ({time.time() - t0:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()
