@@ -205,10 +205,8 @@ class GPUTarget(_Runtime):
 
     def _make_pass(self, cache: KVCache, size: int, taps: tuple[int, ...]) -> Pass:
         s, ref = self._static, self.reference
-        words = -(-size // 32)
-        identity = torch.zeros(size, words, dtype=torch.int64)
-        identity[torch.arange(size), torch.arange(size) // 32] = 1 << (torch.arange(size) % 32)
-        identity = torch.where(identity >= 2**31, identity - 2**32, identity).to(torch.int32).to(self.device)
+        eye = torch.eye(size, dtype=torch.bool, device=self.device)
+        identity = Visibility(0, eye).bits(size, self.device)  # each row sees itself: the padding rows' mask
         bits = identity.clone()
         vis = DeviceVisibility(s.past, bits, lower_triangular=True)
 
