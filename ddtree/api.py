@@ -3,7 +3,7 @@
 the same prompts and checks them against plain decoding."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +17,7 @@ from .cpu.runtime import attach, cpu_target
 from .gpu import runtime as gpu_runtime
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
+from .knobs import env_flag
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
 from .method_spec import MethodSpec
@@ -237,7 +238,8 @@ QUANTS = ("gguf", "gguf-int8")
 
 
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
-         backend: str = "auto", quant: str | None = None, cpu_kernel: str = "auto", gguf_blocks: bool = True) -> Pair:
+         backend: str = "auto", quant: str | None = None, cpu_kernel: str = "auto", gguf_blocks: bool = True,
+         markov_head: bool = False) -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
@@ -253,10 +255,14 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     the reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it.
     gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
     are exactly its weights (the same bits, fewer bytes; ddtree/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
-    overrides True."""
+    overrides True.
+    markov_head: True (or DDTREE_MARKOV_HEAD=1) uses a drafter's Markov head, if it has one: each tree node's
+    children come from that node's own conditional (ddtree/markov.py; more accepted, a costlier tree build on the
+    host). False, the default, drafts from the marginals alone, exactly as the published code does."""
     kernel = resolve_cpu_kernel(cpu_kernel)  # a bad choice is refused here, before the slow load
-    if not isinstance(gguf_blocks, bool):
-        raise ConfigError(f"gguf_blocks must be True or False, got {gguf_blocks!r}")
+    for name, value in (("gguf_blocks", gguf_blocks), ("markov_head", markov_head)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
     gguf = check_quant(quant, target, device, dtype, kernel)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
@@ -276,5 +282,10 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         warn_untrained()
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
+    if drafter.markov is not None:
+        if env_flag("DDTREE_MARKOV_HEAD", markov_head):  # the environment overrides the argument
+            drafter.label += " + Markov head"
+        else:
+            drafter.markov, drafter.cfg = None, replace(drafter.cfg, markov=None)
     name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
     return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)

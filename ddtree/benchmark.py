@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i")
     p.add_argument("--target", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="DFlash drafter directory (default: the shipped one, else untrained)")
+    p.add_argument("--markov-head", action="store_true",
+                   help="use the drafter's Markov head: each tree node's children from its own conditional "
+                        "(ddtree/markov.py; DDTREE_MARKOV_HEAD=1 too)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
@@ -394,7 +397,8 @@ def _main(args) -> int:
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant,
-                    cpu_kernel=args.cpu_kernel, gguf_blocks=not args.no_gguf_blocks)
+                    cpu_kernel=args.cpu_kernel, gguf_blocks=not args.no_gguf_blocks,
+                    markov_head=args.markov_head)
     pair.decoder.sync_stages = args.sync_stages
     if rank == 0:
         barrier(world)

@@ -18,6 +18,9 @@ from .train.cli import main as train_main
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", help="DFlash drafter directory (default: the shipped drafter for the default target)")
+    p.add_argument("--markov-head", action="store_true",
+                   help="use the drafter's Markov head: each tree node's children from its own conditional "
+                        "(ddtree/markov.py; DDTREE_MARKOV_HEAD=1 too)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate" and args.stream and args.json:
             raise ConfigError("--stream prints text as it comes and --json one object at the end: choose one")
         pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant,
-                        args.cpu_kernel, not args.no_gguf_blocks)
+                        args.cpu_kernel, not args.no_gguf_blocks, args.markov_head)
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, **stops)
         if args.command == "chat":

@@ -20,6 +20,7 @@ from .config import ConfigError, ModelConfig, read_config
 from .kv_cache import ContextCache, KVCache, add_context, flush_context
 from .layers import DecoderLayer, RMSNorm, Rotary
 from .loading import check_shapes, read_safetensors
+from .markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -58,6 +59,7 @@ class DrafterConfig:
     sliding_window: int | None = None  # window of sliding layers (layer_types convention); None = no window
     swa_window: int | None = None  # use_swa's window (swa_window_size); None = use_swa off
     causal: bool | None = None  # override for every layer; None = each layer type's default
+    markov: tuple[int, int] | None = None  # a Markov head's (rank, candidates) (ddtree/markov.py); None = none
 
     @property
     def reduced_vocab(self) -> bool:
@@ -83,6 +85,9 @@ class DrafterConfig:
                 raise ConfigError(f"drafter {name} must be a positive integer, got {w!r}")
         if self.causal is not None and not isinstance(self.causal, bool):
             raise ConfigError(f"drafter causal must be true or false, got {self.causal!r}")
+        if self.markov is not None and not (len(self.markov) == 2 and all(isinstance(v, int) and v >= 1
+                                                                         for v in self.markov)):
+            raise ConfigError(f"drafter {MARKOV_KEY} needs positive integers rank and candidates, got {self.markov!r}")
 
     def layer_attention(self, i: int) -> tuple[int | None, bool]:
         """(window or None, causal) of draft layer i over [context ; block]."""
@@ -102,9 +107,13 @@ class DrafterConfig:
         n_target = cfg.get("num_target_layers")
         ids = dflash.get("target_layer_ids") or default_tap_layers(n_target, model.num_layers)
         draft_vocab = cfg.get("draft_vocab_size")
+        markov = cfg.get(MARKOV_KEY)
+        if markov is not None and not (isinstance(markov, dict) and {"rank", "candidates"} <= set(markov)):
+            raise ConfigError(f"drafter {MARKOV_KEY} must be {{\"rank\": r, \"candidates\": M}}, got {markov!r}")
         return cls(model, int(block_size), int(dflash["mask_token_id"]), tuple(ids), int(n_target),
                    None if draft_vocab is None else int(draft_vocab),
-                   **_attention_options(cfg, dflash, model.num_layers))
+                   **_attention_options(cfg, dflash, model.num_layers),
+                   markov=None if markov is None else (markov["rank"], markov["candidates"]))
 
     def to_hf(self) -> dict:
         out = self.model.to_hf()
@@ -123,7 +132,14 @@ class DrafterConfig:
                    num_target_layers=self.num_target_layers, tie_word_embeddings=False, dflash_config=dflash)
         if self.reduced_vocab:  # EAGLE-3 / vLLM convention: own lm_head [draft_vocab_size, H] and d2t offsets
             out["draft_vocab_size"] = self.draft_vocab_size
+        out.pop(MARKOV_KEY, None)
+        if self.markov is not None:
+            out[MARKOV_KEY] = {"rank": self.markov[0], "candidates": self.markov[1]}
         return out
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.draft_vocab_size if self.reduced_vocab else self.model.vocab_size
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise a ConfigError naming the mismatch when this drafter cannot serve `target`."""
@@ -183,6 +199,9 @@ class DFlashDrafter(nn.Module):
             # Its own head over the draft vocabulary; draft id j is target id j + d2t[j] (vLLM's key names).
             self.lm_head = nn.Linear(m.hidden_size, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        # parent-conditioned trees (ddtree/markov.py); None drafts exactly as the published drafter
+        self.markov = (MarkovHead(m.hidden_size, cfg.draft_vocab, cfg.block_size - 1, *cfg.markov)
+                       if cfg.markov is not None else None)
         self.rotary = Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)

@@ -21,6 +21,7 @@ from .attention import Visibility
 from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
+from .markov import head_chain_ids, head_tree_nodes
 from .method_spec import MethodSpec, check_budget
 from .sampling import argmax, choose
 from .stats import GenerationStats, StageTimer
@@ -29,6 +30,19 @@ from .traces import step_record
 from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
 
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
+
+
+def tree_nodes(drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int):
+    """A draft's best-first nodes (tree.best_first_nodes' contract): from the drafter's per-position marginals,
+    or, when it has a Markov head (ddtree/markov.py), from each node's own conditional."""
+    if drafter.markov is None:
+        return best_first_nodes(logprobs, budget)
+    return head_tree_nodes(drafter, logprobs, bonus, budget)
+
+
+def chain_ids(drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """A linear draft's draft ids: each position's argmax, or with a Markov head, given the token before it."""
+    return argmax(logits) if drafter.markov is None else head_chain_ids(drafter, logits, bonus)
 
 
 class Method:
@@ -108,7 +122,7 @@ class DFlash(Method):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
-            ids = argmax(logits)  # [length - 1] in the draft vocabulary
+            ids = chain_ids(drafter, logits, bonus)  # [length - 1] in the draft vocabulary
             tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
             return DraftTree(tokens, *chain_parents(length), draft_logits=logits, draft_ids=ids)
 
@@ -144,8 +158,8 @@ class DDTree(Method):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
-            parents, depths, tokens, scores = best_first_nodes(logits.float().log_softmax(dim=-1),
-                                                               min(self.budget, room - 1))
+            parents, depths, tokens, scores = tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
+                                                         min(self.budget, room - 1))
             b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
             ids = torch.tensor(tokens[:b], dtype=torch.long, device=bonus.device)  # [b] in the draft vocabulary
             tokens = torch.cat([bonus, drafter.to_target_ids(ids)])

@@ -1,12 +1,15 @@
 """Seeded random models for tests, CI and GPU timing runs (real shapes, random weights)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .config import ModelConfig
 from .cpu.runtime import attach
 from .gpu import runtime as gpu_runtime
 from .drafter import untrained_drafter
+from .markov import MarkovHead
 from .target import TargetModel
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
@@ -77,3 +80,18 @@ def save_target(target: TargetModel, directory, tokenizer=None):
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
     return directory
+
+
+def add_markov_head(drafter, rank: int = 8, candidates: int = 32, seed: int = 0, strength: float = 1.0):
+    """Give `drafter` a seeded random Markov head (ddtree/markov.py) whose bias is far from zero, so that its
+    trees differ from the marginals' ones. Returns the drafter."""
+    cfg = replace(drafter.cfg, markov=(rank, candidates))
+    m = cfg.model
+    head = MarkovHead(m.hidden_size, cfg.draft_vocab, cfg.block_size - 1, rank, candidates)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.proj.copy_(torch.randn(head.proj.shape, generator=gen) * m.hidden_size ** -0.5 * strength * 8)
+        head.out.copy_(torch.randn(head.out.shape, generator=gen) * strength)
+    drafter.cfg = cfg
+    drafter.markov = head.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+    return drafter

@@ -9,7 +9,7 @@ PACKAGE = Path(ddtree.__file__).resolve().parent
 # lowest first: a module may import its own layer and the ones below it
 LAYERS = [
     "config knobs cache files protocol kv_cache stats traces checker stops method_spec tree kernels",
-    "attention layers fused target hf_target hf_cache loading drafter wrapping",
+    "attention layers fused target hf_target hf_cache loading markov drafter wrapping",
     "cpu gpu",
     "sampling cost_cache budget engine testing gguf_export",
     "api compare hf_baseline llamacpp_baseline peers runner datasets train",

@@ -11,7 +11,7 @@ from ddtree.cache import checksum
 from ddtree.config import ConfigError
 from ddtree.loading import default_dtype, resolve_target_dir, verify_cache
 import ddtree
-from ddtree.testing import char_tokenizer, random_pair, save_target
+from ddtree.testing import add_markov_head, char_tokenizer, random_pair, save_target
 
 
 @pytest.mark.parametrize("amx, avx512_bf16, expected", [
@@ -275,3 +275,28 @@ def test_generate_json_is_json_on_a_first_run(fake_gguf, capsys):
     out, err = capsys.readouterr()
     assert len(conversions) == 1 and "converting tiny.Q4.gguf" in err
     assert len(json.loads(out)["token_ids"]) == 4
+
+
+def test_a_drafters_markov_head_is_used_when_asked(model_dirs, tmp_path, monkeypatch):
+    target_dir, _ = model_dirs
+    target, drafter = random_pair("llama", seed=1, num_draft_layers=2)
+    add_markov_head(drafter, rank=4, seed=2)
+    drafter.save(tmp_path / "with-head")
+    off = ddtree.load(target=target_dir, draft=tmp_path / "with-head")  # by default: the marginals, as published
+    assert off.drafter.markov is None and off.drafter.cfg.markov is None
+    on = ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True)
+    assert on.drafter.markov is not None and on.drafter.cfg.markov == (4, 32)
+    assert on.drafter.label.endswith("+ Markov head")
+    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "1")
+    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head").drafter.markov is not None
+    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "0")
+    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True).drafter.markov is None
+    monkeypatch.delenv("DDTREE_MARKOV_HEAD")
+    with pytest.raises(ConfigError, match="markov_head must be True or False"):
+        ddtree.load(target=target_dir, markov_head="no")
+    _edit_json(tmp_path / "with-head" / "config.json", markov_head={"rank": 4})
+    with pytest.raises(ConfigError, match=r"markov_head must be \{\"rank\": r, \"candidates\": M\}"):
+        ddtree.load(target=target_dir, draft=tmp_path / "with-head")
+    _edit_json(tmp_path / "with-head" / "config.json", markov_head={"rank": 0, "candidates": 8})
+    with pytest.raises(ConfigError, match="markov_head needs positive integers"):
+        ddtree.load(target=target_dir, draft=tmp_path / "with-head")

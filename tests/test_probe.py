@@ -4,7 +4,8 @@ import warnings
 import numpy as np
 import pytest
 
-from ddtree.train.probe import accepted_lengths, anchor_drafts
+from ddtree.testing import add_markov_head, random_pair
+from ddtree.train.probe import accepted_lengths, anchor_drafts, anchor_tables, block_drafts, probe, tree_tau
 
 
 def test_accepted_lengths_by_hand():
@@ -18,10 +19,39 @@ def test_accepted_lengths_by_hand():
     assert accepted_lengths(lp, np.array([2, 0, 0]), budgets) == [0] * 5  # the true token is outside the top-k
 
 
+def test_tables_give_the_probes_tau_with_and_without_a_head():
+    """The Markov head's tables (anchor_tables + tree_tau) measure what probe() measures, on a random pair; with
+    a head, probe() builds the head's conditional trees, as tree_tau does from the same tables."""
+    import torch
+
+    target, drafter = random_pair("qwen3", seed=6, block_size=6, init_scale=0.3)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(2, 96, (30 + 7 * i,), generator=gen).tolist(), 5 + i, f"g{i % 2}") for i in range(4)]
+    budgets = (1, 3, 8)
+    for head in (False, True):
+        if head:
+            add_markov_head(drafter, rank=4, candidates=8, seed=3, strength=0.5)
+        want = probe(target, drafter, seqs, budgets, k=8)
+        parts = []
+        for tokens, plen, group in seqs:
+            tables = anchor_tables(block_drafts(target, drafter, tokens, plen), tokens, 8)
+            tables["group"] = np.array([group] * len(tables["labels"]))
+            parts.append(tables)
+        tables = {k: np.concatenate([t[k] for t in parts]) for k in parts[0]}
+        got = tree_tau(tables, budgets, drafter.markov, target.model.embed_tokens.weight, drafter.to_target_ids)
+        assert got.keys() == want.keys()
+        for g in got:
+            assert got[g]["positions"] == want[g]["positions"]
+            assert got[g]["top1"] == pytest.approx(want[g]["top1"])
+            assert got[g]["tau"] == pytest.approx(want[g]["tau"])
+    assert tables["labels"].shape[1] == 5 and (tables["labels"] >= 0).any()
+
+
 @pytest.mark.slow
 @pytest.mark.real_model
 @pytest.mark.parametrize("budget", [8, 16])
-def test_probe_accepts_what_decoding_accepts(budget):
+@pytest.mark.parametrize("head", [False, True], ids=["marginals", "markov-head"])
+def test_probe_accepts_what_decoding_accepts(budget, head):
     """Decoding ddtree:budget greedily lands on some positions of the target's own answer; at each one the probe's
     tree accepts exactly what the engine's step accepted. (From budget 7 on the engine drafts the whole block, as
     the probe does; below it drafts budget + 1 positions, whose distributions differ slightly: engine.DDTree.)"""
@@ -30,6 +60,8 @@ def test_probe_accepts_what_decoding_accepts(budget):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pair = ddtree.load(dtype="float32", device="cpu")
+    if head:  # a random head: other trees, the same agreement (the probe builds them as the engine does)
+        add_markov_head(pair.drafter, rank=8, seed=1, strength=0.3)
     steps = 0
     for prompt in ["Write a Python function that reverses a string.", "Describe a quiet harbor at dawn."]:
         ref = pair.generate(prompt, method="ar", max_new_tokens=48)
@@ -37,10 +69,18 @@ def test_probe_accepts_what_decoding_accepts(budget):
         assert run.token_ids == ref.token_ids
         tokens, plen = ref.prompt_ids + ref.token_ids, len(ref.prompt_ids)
         drafts = anchor_drafts(pair.target, pair.drafter, tokens, plen)
+        tables = anchor_tables(block_drafts(pair.target, pair.drafter, tokens, plen), tokens, 32)
         root = plen  # a step's root is the last committed token: first the prefill's, at position plen
         for committed in run.stats.acceptance_lengths[:-1]:  # the last step may be cut by max_new_tokens
             i = root - plen
-            assert accepted_lengths(drafts.logprobs[i], drafts.ranks[i], [budget]) == [committed - 1], root
+            if head:
+                one = {k: v[i:i + 1] for k, v in tables.items()}
+                one["group"] = np.array(["x"])
+                tau = tree_tau(one, [budget], pair.drafter.markov, pair.target.model.embed_tokens.weight,
+                               pair.drafter.to_target_ids)["all"]["tau"][budget]
+                assert tau - 1 == pytest.approx(committed - 1), root
+            else:
+                assert accepted_lengths(drafts.logprobs[i], drafts.ranks[i], [budget]) == [committed - 1], root
             root += committed
             steps += 1
     assert steps >= 20

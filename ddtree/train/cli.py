@@ -1,4 +1,5 @@
-"""`python -m ddtree train {generate-data,export-prompts,fit,export,quantize,probe}`: the drafter training recipe from the command line.
+"""`python -m ddtree train {generate-data,export-prompts,fit,export,quantize,probe,markov-tables,markov-fit}`: the
+drafter training recipe from the command line.
 
     python -m ddtree train generate-data --out data/smollm2-v2 --num-prompts 10000 --max-minutes 100
     python -m ddtree train fit --data data/smollm2 --out runs/l1 --layers 1 --max-minutes 110
@@ -6,6 +7,7 @@
     python -m ddtree train export --run runs/l1 --out drafters/l1     # --force to replace a drafter there
     python -m ddtree train quantize --draft drafters/l1 --out drafters/l1-q8  # 8-bit blocks: faster CPU drafts
     python -m ddtree train probe --data data/smollm2-v5 --eval-sets humaneval,mt-bench,gsm  # acceptance, offline
+    python -m ddtree train markov-tables --data data/smollm2-v4 --out runs/tables  # then markov-fit: a Markov head
 Multi-process: torchrun --nproc_per_node N -m ddtree train fit ...
 """
 from __future__ import annotations
@@ -26,13 +28,16 @@ from ..cache import replacing_dir
 from ..config import ConfigError, cli_int
 from ..datasets import load_prompts
 from ..drafter import DFlashDrafter, untrained_drafter
+from ..markov import CONFIG_KEY as MARKOV_KEY
 from ..files import output_dir, read_jsonl
-from ..loading import (default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device, resolve_target_dir,
-                       stop_token_ids)
+from ..loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
+                       resolve_target_dir, stop_token_ids)
 from ..cpu.qlinear import po2_q8
 from .card import model_card
 from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
 from .grow import grow_drafter, layers_from_target
+from .markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
+from .probe import tree_tau
 from .probe import probe
 from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
 from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
@@ -344,10 +349,12 @@ def cmd_quantize(args) -> int:
         raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
     out = _drafter_out(args.out, args.force)
     drafter = DFlashDrafter.load(source)
+    if args.drop_markov and drafter.markov is not None:
+        drafter.markov, drafter.cfg = None, replace(drafter.cfg, markov=None)
     rounded, kept = [], []
     with torch.no_grad():
         for name, p in drafter.named_parameters():
-            blocks = po2_q8(p, exact=False)
+            blocks = None if name.startswith("markov.") else po2_q8(p, exact=False)  # the head is not a CPU pass
             (rounded if blocks is not None else kept).append(name)
             if blocks is not None:
                 p.copy_(blocks.dequantize())
@@ -361,13 +368,106 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _answers(pair, args, greedy_only: bool) -> list[tuple]:
+    """(tokens, prompt_len, group) of --data's answers (--split, at most --max-sequences per directory, shuffled
+    with seed 0) and of the target's own greedy answers to --eval-sets prompts (measured on, never trained on)."""
+    seqs = []
+    for d in args.data or []:
+        found = [q for q in read_sequences(d, None if args.split == "all" else args.split)
+                 if q.temperature == 0.0 or not greedy_only]
+        random.Random(0).shuffle(found)
+        seqs += [(q.tokens, q.prompt_len, q.source) for q in found[: args.max_sequences]]
+    for name in (args.eval_sets.split(",") if args.eval_sets else []):
+        for text in load_prompts(name, args.num_prompts):
+            res = pair.generate(text, method="ar", max_new_tokens=args.max_new_tokens)
+            seqs.append((res.prompt_ids + res.token_ids, len(res.prompt_ids), name))
+    return seqs
+
+
+def cmd_markov_tables(args) -> int:
+    if not args.data and not args.eval_sets:
+        raise ConfigError("nothing to tabulate: give --data DIR ... and/or --eval-sets humaneval,mt-bench,gsm")
+    pair = load(args.target, args.draft, args.device, args.dtype or "float32")
+    seqs = _answers(pair, args, args.greedy_only)
+    if not seqs:
+        raise ConfigError(f"no {args.split} answers in {', '.join(args.data or [])}")
+    from tqdm import tqdm
+
+    bar = None if args.no_progress else tqdm(total=len(seqs), desc="markov-tables", unit="answer", file=sys.stderr)
+    written = collect_tables(pair.target, pair.drafter, seqs, args.out, args.candidates, args.chunk,
+                             bar.update if bar else None)
+    if bar:
+        bar.close()
+    print(f"markov-tables: {len(seqs)} answers in {args.out} ({written} chunks written now)")
+    return 0
+
+
+def _print_tau(title: str, result: dict, budgets) -> None:
+    print(title)
+    print("| group | positions | top-1 | " + " | ".join(f"tau @{b}" for b in budgets) + " |")
+    print("|---|---:|---:|" + "---:|" * len(budgets))
+    for g, r in sorted(result.items(), key=lambda kv: kv[0] == "all"):
+        print(f"| {g} | {r['positions']} | {r['top1']:.1%} | " + " | ".join(f"{r['tau'][b]:.3f}" for b in budgets) + " |")
+
+
+def cmd_markov_fit(args) -> int:
+    budgets = [int(b) for b in args.budgets.split(",")]
+    out = _drafter_out(args.out, args.force)
+    if args.draft is None and args.target is not None:
+        raise ConfigError("--draft is needed with --target: the drafter the head is fitted to")
+    tables = read_tables(args.tables)  # before the (slow) load: a wrong path is refused at once
+    pair = load(args.target, args.draft, "cpu", "float32")
+    drafter = DFlashDrafter.load(args.draft or SHIPPED_DRAFTER)
+    m = int(tables["cand_ids"].shape[-1])
+    cfg = replace(drafter.cfg, markov=(args.rank, m))
+    with_head = DFlashDrafter(cfg)
+    missing, _ = with_head.load_state_dict(drafter.state_dict(), strict=False)
+    assert all(k.startswith("markov.") for k in missing), missing
+    torch.manual_seed(args.seed)
+    head = with_head.markov = type(with_head.markov)(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1,
+                                                     args.rank, m)
+    embed = pair.target.model.embed_tokens.weight.detach().float()
+    rows = flat_rows(tables)
+    from tqdm import tqdm
+
+    steps = max(1, -(-int(args.epochs * rows["label_idx"].numel()) // args.batch))
+    bar = None if args.no_progress else tqdm(total=steps, desc="markov-fit", unit="step", file=sys.stderr)
+    log = (lambda step, loss: bar.set_postfix(loss=f"{loss:.4f}")) if bar else None
+    fit_head(head, embed, rows, args.epochs, args.batch, args.lr, args.weight_decay, args.seed,
+             bar.update if bar else None, log)
+    if bar:
+        bar.close()
+    print(f"markov-fit: {rows['label_idx'].numel()} rows, {steps} steps, rank {args.rank}, {m} candidates")
+    with_head.markov = head.to(torch.bfloat16).float()  # evaluate what the bf16 file holds
+    if args.heldout:
+        held = read_tables(args.heldout)
+        hrows = flat_rows(held)
+        print(f"held-out NLL of the true token at block positions 2..{cfg.block_size - 1}: drafter "
+              f"{heldout_nll(None, embed, hrows):.4f}, with the head {heldout_nll(with_head.markov, embed, hrows):.4f} "
+              f"({hrows['label_idx'].numel()} rows)")
+        print("teacher-forced top-1 by block position (the drafter's marginal -> the head's conditional): " +
+              ", ".join(f"{d}: {a:.1%} -> {b:.1%}" for d, a, b in depth_top1(with_head.markov, embed, hrows)))
+        to_target = with_head.to_target_ids if cfg.reduced_vocab else (lambda ids: ids)
+        _print_tau("without the head (the drafter's marginals):", tree_tau(held, budgets), budgets)
+        _print_tau("with the head (each node's own conditional):",
+                   tree_tau(held, budgets, with_head.markov, embed, to_target), budgets)
+    with replacing_dir(out) as tmp:
+        with_head.save(tmp, torch.bfloat16)
+        if (Path(args.draft or SHIPPED_DRAFTER) / "README.md").is_file():
+            shutil.copy(Path(args.draft or SHIPPED_DRAFTER) / "README.md", tmp / "README.md")
+    print(f"markov-fit: drafter with its head written to {out}. Other engines (vLLM, SGLang) load it as the plain "
+          f"drafter: they read neither config.json's {MARKOV_KEY!r} nor the markov.* tensors (`quantize "
+          "--drop-markov` writes a copy without them)")
+    return 0
+
+
 def cmd_probe(args) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     if min(budgets) < 1 or max(budgets) > args.top_k:
         raise ConfigError(f"--budgets must lie in 1..--top-k ({args.top_k}), got {args.budgets}")
     if not args.data and not args.eval_sets:
         raise ConfigError("nothing to probe: give --data DIR ... and/or --eval-sets humaneval,mt-bench,gsm")
-    pair = load(args.target, args.draft, args.device, args.dtype or "float32")
+    pair = load(args.target, args.draft, args.device, args.dtype or "float32", markov_head=args.markov_head)
     seqs = []
     for d in args.data or []:  # greedy answers only: a sampled answer is not the target's continuation at T=0
         greedy = [q for q in read_sequences(d, None if args.split == "all" else args.split) if q.temperature == 0.0]
@@ -498,6 +598,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--draft", required=True, help="drafter directory (published format)")
     q.add_argument("--out", required=True, help="directory for the rounded drafter")
     q.add_argument("--force", action="store_true", help="replace what --out holds")
+    q.add_argument("--drop-markov", action="store_true", help="leave out the drafter's Markov head (markov-fit)")
     p = sub.add_parser("probe", help="a drafter's top-1 and tree acceptance at every position of greedy answers")
     _target_args(p)
     p.add_argument("--draft", help="drafter directory (default: the shipped one)")
@@ -510,8 +611,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=cli_int(1), default=96, help="per evaluation answer")
     p.add_argument("--budgets", default="1,2,4,8,32", help="tree budgets (default: %(default)s)")
     p.add_argument("--top-k", type=cli_int(1), default=32, help="ranks kept per depth (>= the largest budget)")
+    p.add_argument("--markov-head", action="store_true", help="with the drafter's Markov head (its conditional trees)")
     p.add_argument("--json", help="also write the result here")
     p.add_argument("--no-progress", action="store_true")
+    t = sub.add_parser("markov-tables", help="a drafter's top candidates at every root of the answers, for "
+                       "markov-fit (resumable chunks)")
+    _target_args(t)
+    t.add_argument("--draft", help="drafter directory (default: the shipped one)")
+    t.add_argument("--data", nargs="+", metavar="DIR", help="generate-data directories")
+    t.add_argument("--split", default="train", choices=("heldout", "train", "all"))
+    t.add_argument("--greedy-only", action="store_true", help="only the greedy answers (the probe's; for held-out)")
+    t.add_argument("--max-sequences", type=cli_int(1), default=100000, help="per data directory")
+    t.add_argument("--eval-sets", help="also the target's own greedy answers to these evaluation prompts "
+                   "(measured on, never trained on: for held-out tables only)")
+    t.add_argument("--num-prompts", type=cli_int(1), default=8, help="per evaluation set (default: %(default)s)")
+    t.add_argument("--max-new-tokens", type=cli_int(1), default=96, help="per evaluation answer")
+    t.add_argument("--candidates", type=cli_int(1), default=32, help="top candidates kept per block position")
+    t.add_argument("--chunk", type=cli_int(1), default=100, help="answers per written chunk")
+    t.add_argument("--out", required=True, help="table directory (resumes: finished chunks are skipped)")
+    t.add_argument("--no-progress", action="store_true")
+    f = sub.add_parser("markov-fit", help="fit a Markov head (parent-conditioned trees) on a frozen drafter")
+    _target_args(f)
+    f.add_argument("--draft", help="the frozen drafter (default: the shipped one)")
+    f.add_argument("--tables", nargs="+", required=True, help="markov-tables directories to fit on")
+    f.add_argument("--heldout", nargs="+", help="markov-tables directories to report NLL and tree tau on")
+    f.add_argument("--rank", type=cli_int(1), default=64)
+    f.add_argument("--epochs", type=float, default=2.0)
+    f.add_argument("--batch", type=cli_int(1), default=4096)
+    f.add_argument("--lr", type=float, default=3e-3)
+    f.add_argument("--weight-decay", type=float, default=0.0)
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--budgets", default="1,2,4,8,16,32", help="tree budgets for the held-out tau")
+    f.add_argument("--out", required=True, help="directory for the drafter with its head")
+    f.add_argument("--force", action="store_true", help="replace what --out holds")
+    f.add_argument("--no-progress", action="store_true")
     return parser
 
 
@@ -521,7 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export, "quantize": cmd_quantize,
-                "export-prompts": cmd_export_prompts, "probe": cmd_probe}[args.command](args)
+                "export-prompts": cmd_export_prompts, "probe": cmd_probe,
+                "markov-tables": cmd_markov_tables, "markov-fit": cmd_markov_fit}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..markov import MarkovHead, conditional_best_first, conditional_logprobs
 from ..tree import best_first_nodes
 from .model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
 
@@ -32,10 +33,17 @@ class AnchorDrafts:
     ranks: np.ndarray  # [A, B-1] int64: rank of tokens[a+d] at depth d; k when outside the top-k (or no token)
 
 
+@dataclass
+class BlockDrafts:
+    """Every root of one answer drafted as a whole block: roots from the first answer token (the prefill's own) to
+    the second-to-last token, where decoding's roots lie (row i is the root at position prompt_len + i)."""
+    anchors: torch.Tensor  # [A] root positions
+    logprobs: torch.Tensor  # [A, B-1, draft vocab] float32: the drafter's log-probs at block positions 1..B-1
+    labels: torch.Tensor  # [A, B-1] the true tokens as draft ids; -1 past the end or outside the draft vocabulary
+
+
 @torch.inference_mode()
-def anchor_drafts(target, drafter, tokens: list[int], prompt_len: int, k: int = 32) -> AnchorDrafts:
-    """Roots from the first answer token (the prefill's own) to the second-to-last token, where decoding's roots
-    lie; row i is the root at position prompt_len + i."""
+def block_drafts(target, drafter, tokens: list[int], prompt_len: int) -> BlockDrafts:
     cfg = drafter.cfg
     ids = torch.tensor(tokens, device=target.device)
     feats = target_features(target, ids, cfg.target_layer_ids).to(drafter.fc.weight.dtype)
@@ -44,13 +52,86 @@ def anchor_drafts(target, drafter, tokens: list[int], prompt_len: int, k: int = 
     hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
     head = draft_head(drafter, target)
     logprobs = (hidden[:, 1:] @ head.to(hidden.dtype).T).float().log_softmax(dim=-1)  # [A, B-1, draft vocab]
-    top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    labels = labels.clamp(min=-1)
     t2d = target_to_draft(drafter)
     if t2d is not None:  # the true tokens as draft ids: -1 outside the draft vocabulary
         labels = torch.where(labels >= 0, t2d[labels.clamp(min=0)], labels)
+    return BlockDrafts(anchors, logprobs, labels)
+
+
+def anchor_drafts(target, drafter, tokens: list[int], prompt_len: int, k: int = 32) -> AnchorDrafts:
+    drafts = block_drafts(target, drafter, tokens, prompt_len)
+    labels = drafts.labels
+    top = drafts.logprobs.topk(min(k, drafts.logprobs.shape[-1]), dim=-1)
     hit = (top.indices == labels[..., None]) & (labels[..., None] >= 0)  # [A, B-1, k]
     ranks = torch.where(hit.any(-1), hit.int().argmax(-1), top.indices.shape[-1])
     return AnchorDrafts(top.values.cpu().numpy(), ranks.cpu().numpy().astype(np.int64))
+
+
+def anchor_tables(drafts, tokens: list[int], m: int) -> dict[str, np.ndarray]:
+    """One answer's rows (see the module doc) from probe.block_drafts' output."""
+    lp = drafts.logprobs  # [A, D, V]
+    cand_lp, cand_ids = lp.topk(min(m, lp.shape[-1]), dim=-1)  # [A, D, M]
+    labels = drafts.labels  # [A, D]
+    label_lp = lp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    ids = torch.tensor(tokens, device=labels.device)
+    d = labels.shape[1]
+    parents = ids[(drafts.anchors[:, None] + torch.arange(d, device=ids.device)).clamp(max=ids.numel() - 1)]
+    return {"cand_lp": cand_lp.half().cpu().numpy(), "cand_ids": cand_ids.int().cpu().numpy(),
+            "labels": labels.int().cpu().numpy(), "label_lp": label_lp.float().cpu().numpy(),
+            "parents": parents.int().cpu().numpy()}
+
+
+@torch.no_grad()
+def tree_tau(tables: dict[str, np.ndarray], budgets, head: MarkovHead | None = None, embed=None, to_target=None,
+             batch: int = 128) -> dict[str, dict]:
+    """The probe's T = 0 acceptance over every table root: per group (and "all") positions, top-1 (the spine's
+    first token) and tau per budget of best-first trees; with a head, each node's children from its own
+    conditional (markov.conditional_best_first), else the drafter's marginals (the engine's plain tree over the
+    same top-M candidates). to_target: draft ids -> target ids (the parents' embeddings)."""
+    return _averages(tree_tau_sums(tables, budgets, head, embed, to_target, batch), budgets)
+
+
+def _averages(sums: dict[str, np.ndarray], budgets) -> dict[str, dict]:
+    return {g: {"positions": int(v[0]), "top1": v[1] / v[0], "tau": {b: 1 + v[2 + i] / v[0]
+                                                                     for i, b in enumerate(budgets)}}
+            for g, v in sums.items()}
+
+
+@torch.no_grad()
+def tree_tau_sums(tables, budgets, head=None, embed=None, to_target=None, batch: int = 128,
+                  sums: dict | None = None) -> dict[str, np.ndarray]:
+    """tree_tau's sums per group: [positions, top-1 hits, accepted tokens per budget], added into `sums`."""
+    budgets = tuple(budgets)
+    a, d, m = tables["cand_ids"].shape
+    sums = {} if sums is None else sums
+    codes = head.code(embed).float() if head is not None else None  # [V, r]: every parent's code
+    for s in range(0, a, batch):
+        cand_lp = torch.from_numpy(tables["cand_lp"][s:s + batch].astype(np.float32))  # [b, D, M]
+        cand_ids = torch.from_numpy(tables["cand_ids"][s:s + batch].astype(np.int64))
+        if head is None:
+            cond = cand_lp[:, :, None, :].expand(-1, -1, m, -1)
+        else:
+            parents = torch.empty_like(cand_ids)  # [b, D, M]: depth 0's parent is the root, then the candidates
+            parents[:, 0] = torch.from_numpy(tables["parents"][s:s + batch, :1].astype(np.int64))
+            parents[:, 1:] = to_target(cand_ids[:, :-1])
+            cond, _ = conditional_logprobs(head, cand_lp, cand_ids, codes[parents], torch.arange(d))
+        cond, ids = cond.float().numpy(), cand_ids.numpy()
+        for i in range(cond.shape[0]):
+            labels = tables["labels"][s + i]
+            parents_, _, tokens, _ = conditional_best_first(ids[i], cond[i], max(budgets))
+            path, node = [], 0
+            children = {(int(p), t): j + 1 for j, (p, t) in enumerate(zip(parents_[1:], tokens))}
+            for lab in labels.tolist():
+                node = children.get((node, lab), -1) if lab >= 0 else -1
+                if node < 0:
+                    break
+                path.append(node)
+            row = np.array([1, bool(path) and path[0] == 1, *(sum(j <= b for j in path) for b in budgets)],
+                           dtype=np.float64)
+            for g in (str(tables["group"][s + i]), "all"):
+                sums[g] = sums.get(g, 0) + row
+    return sums
 
 
 def accepted_lengths(logprobs: np.ndarray, ranks: np.ndarray, budgets) -> list[int]:
@@ -80,6 +161,15 @@ def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, pro
     first block position's), tau per budget."""
     budgets = tuple(budgets)
     sums: dict[str, np.ndarray] = {}
+    if drafter.markov is not None:  # each node's children from its own conditional (ddtree/markov.py)
+        embed = target.model.embed_tokens.weight
+        for tokens, prompt_len, group in sequences:
+            tables = anchor_tables(block_drafts(target, drafter, tokens, prompt_len), tokens, k)
+            tables["group"] = np.array([group] * len(tables["labels"]))
+            tree_tau_sums(tables, budgets, drafter.markov, embed, drafter.to_target_ids, sums=sums)
+            if progress is not None:
+                progress()
+        return _averages(sums, budgets)
     for tokens, prompt_len, group in sequences:
         drafts = anchor_drafts(target, drafter, tokens, prompt_len, k)
         for lp, rk in zip(drafts.logprobs, drafts.ranks):
@@ -88,6 +178,4 @@ def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, pro
                 sums[g] = sums.get(g, 0) + row
         if progress is not None:
             progress()
-    return {g: {"positions": int(s[0]), "top1": s[1] / s[0], "tau": {b: 1 + s[2 + i] / s[0] for i, b in
-                                                                      enumerate(budgets)}}
-            for g, s in sums.items()}
+    return _averages(sums, budgets)
