@@ -9,9 +9,9 @@ from the parent token to the next position's logits, so every tree node's childr
 lp_d: the drafter's log-probs at block position d (1-based), C_d: their top-M candidates (draft ids), u: the
 parent's target token id, E: the target's input embedding (frozen), P [H, r] and Q [r, draft vocab]: the head.
 Position 1 gets no bias (b_1 = 0): its parent is the root, which the block pass already reads as its first
-token (a bias there double-counted it: teacher-forced top-1 at position 1 fell from 72.7% to 70.6% while it
-rose at every later position, e.g. 21.7% -> 40.2% at position 7; RECIPE.md). Tokens outside C_d keep their own probability (the bias is applied
-among the candidates only), so Z_d(u) = (1 - sum_{v in C_d} p_d(v)) + sum_{v in C_d} exp(lp_d(v) + b_d(u, v)):
+token, so a bias there counts it twice (it lowered position 1's accuracy: RECIPE.md). Tokens outside C_d keep
+their own probability (the bias is applied among the candidates only), so
+Z_d(u) = (1 - sum_{v in C_d} p_d(v)) + sum_{v in C_d} exp(lp_d(v) + b_d(u, v)):
 all the work is [depth, M, M], never a pass over the vocabulary per node. Q starts at zero: a fresh head is the
 identity, and training (ddtree/train/markov.py) fits P, Q and the per-depth scales on a frozen drafter, teacher-
 forced (a node can only be accepted when its parent was, so the true previous token is the parent that matters).
@@ -31,7 +31,6 @@ from torch import nn
 # config.json key: {"rank": r, "candidates": M}. A top-level key, outside dflash_config, so that other engines
 # reading the published format (vLLM, SGLang) never see it; its tensors are extra names they do not load.
 CONFIG_KEY = "markov_head"
-PREFIX = "markov."  # its tensors' names in model.safetensors
 
 
 class MarkovHead(nn.Module):
@@ -45,11 +44,7 @@ class MarkovHead(nn.Module):
         self.proj = nn.Parameter(torch.randn(hidden_size, rank) * hidden_size ** -0.5)  # [H, r]
         self.out = nn.Parameter(torch.zeros(rank, draft_vocab))  # [r, draft vocab]: zero = no bias
         self.scale = nn.Parameter(torch.ones(positions))  # [block_size - 1]
-
-        self._codes = None  # (key, codes, out.T, scales): host_tables, made on first use
-
-    def config(self) -> dict:
-        return {"rank": self.rank, "candidates": self.candidates}
+        self._host = None  # (weights' key, codes, out.T, scales): host_tables' arrays, made on first use
 
     def code(self, parent_emb: torch.Tensor) -> torch.Tensor:
         """Parents' target embeddings [..., H] -> their codes [..., r]."""
@@ -68,13 +63,13 @@ class MarkovHead(nn.Module):
         target's embedding, called on all ids once), out.T [draft vocab, r] and the per-depth scales [positions]
         with position 1's zero, as float32 numpy arrays; remade when a weight of the head changes."""
         key = tuple((t._version, t.data_ptr()) for t in (self.proj, self.out, self.scale)) + (embed,)
-        if self._codes is None or self._codes[0] != key:
+        if self._host is None or self._host[0] != key:
             ids = torch.arange(vocab, device=self.proj.device)
             codes = torch.cat([self.code(embed(ids[i:i + 8192])) for i in range(0, vocab, 8192)])
             scale = self.scale.float().clone()
             scale[0] = 0.0
-            self._codes = (key, *(t.float().cpu().contiguous().numpy() for t in (codes, self.out.T, scale)))
-        return self._codes[1:]
+            self._host = (key, *(t.float().cpu().contiguous().numpy() for t in (codes, self.out.T, scale)))
+        return self._host[1:]
 
 
 def conditional_logprobs(head: MarkovHead, cand_lp: torch.Tensor, cand_ids: torch.Tensor, codes: torch.Tensor,
@@ -164,8 +159,8 @@ def conditional_chain(cand_ids: np.ndarray, cond: np.ndarray) -> list[int]:
     return out
 
 
-# A tree of at most this many nodes draws on this many candidates per position (not the head's M): the held-out tau
-# at budgets 2-16 was the same with 8 as with 32 (RECIPE.md), and the host's work per step is ~M^2.
+# A tree of at most this many nodes draws on this many candidates per position (not the head's M): small trees rarely
+# reach past them (RECIPE.md compares 8 with 32 on held-out answers), and the host's work per step grows as M^2.
 SMALL_TREE_CANDIDATES = 8
 
 

@@ -28,7 +28,7 @@ from ..cache import replacing_dir
 from ..config import ConfigError, cli_int
 from ..datasets import load_prompts
 from ..drafter import DFlashDrafter, untrained_drafter
-from ..markov import CONFIG_KEY as MARKOV_KEY
+from ..markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
 from ..files import output_dir, read_jsonl
 from ..loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                        resolve_target_dir, stop_token_ids)
@@ -403,11 +403,13 @@ def cmd_markov_tables(args) -> int:
 
 
 def _print_tau(title: str, result: dict, budgets) -> None:
+    """A probe result (train.probe.probe / tree_tau) as a markdown table: per group positions, top-1, tau."""
     print(title)
     print("| group | positions | top-1 | " + " | ".join(f"tau @{b}" for b in budgets) + " |")
     print("|---|---:|---:|" + "---:|" * len(budgets))
     for g, r in sorted(result.items(), key=lambda kv: kv[0] == "all"):
-        print(f"| {g} | {r['positions']} | {r['top1']:.1%} | " + " | ".join(f"{r['tau'][b]:.3f}" for b in budgets) + " |")
+        taus = " | ".join(f"{r['tau'][b]:.3f}" for b in budgets)
+        print(f"| {g} | {r['positions']} | {r['top1']:.1%} | {taus} |")
 
 
 def cmd_markov_fit(args) -> int:
@@ -424,8 +426,7 @@ def cmd_markov_fit(args) -> int:
     missing, _ = with_head.load_state_dict(drafter.state_dict(), strict=False)
     assert all(k.startswith("markov.") for k in missing), missing
     torch.manual_seed(args.seed)
-    head = with_head.markov = type(with_head.markov)(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1,
-                                                     args.rank, m)
+    head = with_head.markov = MarkovHead(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1, args.rank, m)
     embed = pair.target.model.embed_tokens.weight.detach().float()
     rows = flat_rows(tables)
     from tqdm import tqdm
@@ -468,15 +469,7 @@ def cmd_probe(args) -> int:
     if not args.data and not args.eval_sets:
         raise ConfigError("nothing to probe: give --data DIR ... and/or --eval-sets humaneval,mt-bench,gsm")
     pair = load(args.target, args.draft, args.device, args.dtype or "float32", markov_head=args.markov_head)
-    seqs = []
-    for d in args.data or []:  # greedy answers only: a sampled answer is not the target's continuation at T=0
-        greedy = [q for q in read_sequences(d, None if args.split == "all" else args.split) if q.temperature == 0.0]
-        random.Random(0).shuffle(greedy)
-        seqs += [(q.tokens, q.prompt_len, q.source) for q in greedy[: args.max_sequences]]
-    for name in (args.eval_sets.split(",") if args.eval_sets else []):
-        for text in load_prompts(name, args.num_prompts):  # measured on, never trained on
-            res = pair.generate(text, method="ar", max_new_tokens=args.max_new_tokens)
-            seqs.append((res.prompt_ids + res.token_ids, len(res.prompt_ids), name))
+    seqs = _answers(pair, args, greedy_only=True)  # a sampled answer is not the target's continuation at T=0
     if not seqs:
         raise ConfigError(f"no greedy {args.split} answers in {', '.join(args.data)}")
     from tqdm import tqdm
@@ -485,12 +478,8 @@ def cmd_probe(args) -> int:
     result = probe(pair.target, pair.drafter, seqs, budgets, args.top_k, bar.update if bar else None)
     if bar:
         bar.close()
-    print(f"drafter {getattr(pair.drafter, 'label', args.draft)}; {len(seqs)} answers; tau = 1 + mean accepted "
-          "length over every position, for best-first trees of each budget")
-    print("| group | positions | top-1 | " + " | ".join(f"tau @{b}" for b in budgets) + " |")
-    print("|---|---:|---:|" + "---:|" * len(budgets))
-    for g, r in sorted(result.items(), key=lambda kv: kv[0] == "all"):
-        print(f"| {g} | {r['positions']} | {r['top1']:.1%} | " + " | ".join(f"{r['tau'][b]:.3f}" for b in budgets) + " |")
+    _print_tau(f"drafter {getattr(pair.drafter, 'label', args.draft)}; {len(seqs)} answers; tau = 1 + mean accepted "
+               "length over every position, for best-first trees of each budget", result, budgets)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -27,6 +27,7 @@ from .probe import anchor_tables, block_drafts
 
 TABLE_GLOB = "tables_*.npz"
 TABLE_KEYS = ("cand_lp", "cand_ids", "labels", "label_lp", "parents", "group")
+ROW_KEYS = ("cand_lp", "cand_ids", "label_idx", "label_lp", "parents", "depths")  # flat_rows' = row_log_likelihood's
 
 
 def collect_tables(target, drafter, sequences, out_dir, m: int = 32, chunk: int = 100, progress=None) -> int:
@@ -122,9 +123,7 @@ def fit_head(head: MarkovHead, embed: torch.Tensor, rows: dict[str, torch.Tensor
             order, pos = torch.randperm(n, generator=gen), 0
         idx = order[pos:pos + batch]
         pos += batch
-        loss = -row_log_likelihood(head, embed, *(rows[k][idx] for k in
-                                                  ("cand_lp", "cand_ids", "label_idx", "label_lp", "parents",
-                                                   "depths"))).mean()
+        loss = -row_log_likelihood(head, embed, *(rows[k][idx] for k in ROW_KEYS)).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -147,8 +146,7 @@ def heldout_nll(head: MarkovHead | None, embed: torch.Tensor, rows: dict[str, to
     total = 0.0
     for s in range(0, rows["label_idx"].numel(), 65536):
         part = {k: v[s:s + 65536] for k, v in rows.items()}
-        total -= float(row_log_likelihood(head, embed, *(part[k] for k in ("cand_lp", "cand_ids", "label_idx",
-                                                                           "label_lp", "parents", "depths"))).sum())
+        total -= float(row_log_likelihood(head, embed, *(part[k] for k in ROW_KEYS)).sum())
     return total / rows["label_idx"].numel()
 
 
