@@ -3,7 +3,7 @@
 the same prompts and checks them against plain decoding."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +286,6 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         if env_flag("DDTREE_MARKOV_HEAD", markov_head):  # the environment overrides the argument
             drafter.label += " + Markov head"
         else:
-            drafter.markov, drafter.cfg = None, replace(drafter.cfg, markov=None)
+            drafter.set_markov_head(None)
     name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
     return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -311,6 +311,12 @@ class DFlashDrafter(nn.Module):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids (any shape) -> the target's token ids."""
         return ids + self.d2t[ids] if self.cfg.reduced_vocab else ids
+
+    def set_markov_head(self, head: MarkovHead | None) -> None:
+        """Give the drafter a Markov head (ddtree/markov.py), or take its head away (None): the module and the
+        config's (rank, candidates) change together, so that save() writes what the drafter runs."""
+        self.markov = head
+        self.cfg = replace(self.cfg, markov=None if head is None else (head.rank, head.candidates))
 
     def set_draft_vocab(self, target_ids: torch.Tensor, head_weight: torch.Tensor) -> None:
         """Use the draft vocabulary `target_ids` [draft_vocab] (distinct target ids): d2t from them and the

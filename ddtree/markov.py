@@ -54,8 +54,11 @@ class MarkovHead(nn.Module):
         """codes [..., P, r] (the parents'), cand_ids [..., M] draft ids, depths [...] (block position - 1).
         Returns b [..., P, M]."""
         w = self.out.T[cand_ids]  # [..., M, r]
-        scale = torch.where(depths > 0, self.scale[depths], 0.0)  # position 1 (depth 0): no bias, see the doc
-        return scale[..., None, None] * (codes @ w.transpose(-1, -2))
+        return self.depth_scales()[depths][..., None, None] * (codes @ w.transpose(-1, -2))
+
+    def depth_scales(self) -> torch.Tensor:
+        """scale_d per depth [positions], with position 1's zero (no bias there: see the module doc)."""
+        return torch.cat([torch.zeros_like(self.scale[:1]), self.scale[1:]])
 
     @torch.inference_mode()
     def host_tables(self, embed, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -66,9 +69,8 @@ class MarkovHead(nn.Module):
         if self._host is None or self._host[0] != key:
             ids = torch.arange(vocab, device=self.proj.device)
             codes = torch.cat([self.code(embed(ids[i:i + 8192])) for i in range(0, vocab, 8192)])
-            scale = self.scale.float().clone()
-            scale[0] = 0.0
-            self._host = (key, *(t.float().cpu().contiguous().numpy() for t in (codes, self.out.T, scale)))
+            arrays = (codes, self.out.T, self.depth_scales())
+            self._host = (key, *(t.float().cpu().contiguous().numpy() for t in arrays))
         return self._host[1:]
 
 

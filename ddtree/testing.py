@@ -1,8 +1,6 @@
 """Seeded random models for tests, CI and GPU timing runs (real shapes, random weights)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .config import ModelConfig
@@ -85,13 +83,11 @@ def save_target(target: TargetModel, directory, tokenizer=None):
 def add_markov_head(drafter, rank: int = 8, candidates: int = 32, seed: int = 0, strength: float = 1.0):
     """Give `drafter` a seeded random Markov head (ddtree/markov.py) whose bias is far from zero, so that its
     trees differ from the marginals' ones. Returns the drafter."""
-    cfg = replace(drafter.cfg, markov=(rank, candidates))
-    m = cfg.model
+    cfg, m = drafter.cfg, drafter.cfg.model
     head = MarkovHead(m.hidden_size, cfg.draft_vocab, cfg.block_size - 1, rank, candidates)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.proj.copy_(torch.randn(head.proj.shape, generator=gen) * m.hidden_size ** -0.5 * strength * 8)
         head.out.copy_(torch.randn(head.out.shape, generator=gen) * strength)
-    drafter.cfg = cfg
-    drafter.markov = head.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
+    drafter.set_markov_head(head.to(drafter.fc.weight.device, drafter.fc.weight.dtype))
     return drafter

@@ -349,8 +349,8 @@ def cmd_quantize(args) -> int:
         raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
     out = _drafter_out(args.out, args.force)
     drafter = DFlashDrafter.load(source)
-    if args.drop_markov and drafter.markov is not None:
-        drafter.markov, drafter.cfg = None, replace(drafter.cfg, markov=None)
+    if args.drop_markov:
+        drafter.set_markov_head(None)
     rounded, kept = [], []
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -418,16 +418,12 @@ def cmd_markov_fit(args) -> int:
     if args.draft is None and args.target is not None:
         raise ConfigError("--draft is needed with --target: the drafter the head is fitted to")
     tables = read_tables(args.tables)  # before the (slow) load: a wrong path is refused at once
-    pair = load(args.target, args.draft, "cpu", "float32")
-    drafter = DFlashDrafter.load(args.draft or SHIPPED_DRAFTER)
-    m = int(tables["cand_ids"].shape[-1])
-    cfg = replace(drafter.cfg, markov=(args.rank, m))
-    with_head = DFlashDrafter(cfg)
-    missing, _ = with_head.load_state_dict(drafter.state_dict(), strict=False)
-    assert all(k.startswith("markov.") for k in missing), missing
+    target = _load_target(args, lambda device: torch.float32)[0]  # only its embedding: the parents' codes
+    drafter = DFlashDrafter.load(args.draft or SHIPPED_DRAFTER, target=target)
+    cfg, m = drafter.cfg, int(tables["cand_ids"].shape[-1])
     torch.manual_seed(args.seed)
-    head = with_head.markov = MarkovHead(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1, args.rank, m)
-    embed = pair.target.model.embed_tokens.weight.detach().float()
+    head = MarkovHead(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1, args.rank, m)
+    embed = target.model.embed_tokens.weight.detach().float()
     rows = flat_rows(tables)
     from tqdm import tqdm
 
@@ -439,21 +435,20 @@ def cmd_markov_fit(args) -> int:
     if bar:
         bar.close()
     print(f"markov-fit: {rows['label_idx'].numel()} rows, {steps} steps, rank {args.rank}, {m} candidates")
-    with_head.markov = head.to(torch.bfloat16).float()  # evaluate what the bf16 file holds
+    drafter.set_markov_head(head.to(torch.bfloat16).float())  # evaluate what the bf16 file holds
     if args.heldout:
         held = read_tables(args.heldout)
         hrows = flat_rows(held)
         print(f"held-out NLL of the true token at block positions 2..{cfg.block_size - 1}: drafter "
-              f"{heldout_nll(None, embed, hrows):.4f}, with the head {heldout_nll(with_head.markov, embed, hrows):.4f} "
+              f"{heldout_nll(None, embed, hrows):.4f}, with the head {heldout_nll(head, embed, hrows):.4f} "
               f"({hrows['label_idx'].numel()} rows)")
         print("teacher-forced top-1 by block position (the drafter's marginal -> the head's conditional): " +
-              ", ".join(f"{d}: {a:.1%} -> {b:.1%}" for d, a, b in depth_top1(with_head.markov, embed, hrows)))
-        to_target = with_head.to_target_ids if cfg.reduced_vocab else (lambda ids: ids)
+              ", ".join(f"{d}: {a:.1%} -> {b:.1%}" for d, a, b in depth_top1(head, embed, hrows)))
         _print_tau("without the head (the drafter's marginals):", tree_tau(held, budgets), budgets)
         _print_tau("with the head (each node's own conditional):",
-                   tree_tau(held, budgets, with_head.markov, embed, to_target), budgets)
+                   tree_tau(held, budgets, head, embed, drafter.to_target_ids), budgets)
     with replacing_dir(out) as tmp:
-        with_head.save(tmp, torch.bfloat16)
+        drafter.save(tmp, torch.bfloat16)
         if (Path(args.draft or SHIPPED_DRAFTER) / "README.md").is_file():
             shutil.copy(Path(args.draft or SHIPPED_DRAFTER) / "README.md", tmp / "README.md")
     print(f"markov-fit: drafter with its head written to {out}. Other engines (vLLM, SGLang) load it as the plain "
