@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plots for a `python -m ddtree.benchmark` results directory (PNG + PDF into RESULTS/plots/):
 
-    speedup_vs_budget  speedup over AR vs DDTree budget, one panel per dataset x temperature
+    speedup_vs_budget  speedup over AR vs DDTree budget, one panel per dataset x target mode x temperature
                        (DFlash as a dashed horizontal reference, AR at 1)
     tau_vs_budget      mean accepted tokens per verify pass vs budget (same layout)
     acceptance_hist    distribution of accepted lengths per step, DFlash and DDTree budgets
@@ -31,7 +31,7 @@ matplotlib.use("Agg")  # files only: no display needed (servers, CI)
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ddtree import traces as tr  # noqa: E402
-from ddtree.benchmark import load_records, summarize  # noqa: E402
+from ddtree.benchmark import load_records, record_mode, summarize  # noqa: E402
 from ddtree.config import ConfigError  # noqa: E402
 from ddtree.files import output_dir  # noqa: E402
 from ddtree.method_spec import REFERENCE, MethodSpec  # noqa: E402
@@ -61,7 +61,12 @@ def method_order(records: list[dict]) -> list[MethodSpec]:
     return sorted(specs, key=lambda s: (s.info.rank, s.label, s.budget if isinstance(s.budget, int) else 1 << 30))
 
 
-def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height: float = 3.6):
+def cell_of(r: dict) -> tuple[str, str]:
+    """The panel of a record or summary row: its dataset's column, and a row per target mode and temperature."""
+    return r["dataset"], f"{r.get('mode') or record_mode(r)}, T = {r['temperature']:g}"
+
+
+def grid(cells: list[tuple[str, str]], title: str, width: float = 4.6, height: float = 3.6):
     datasets = list(dict.fromkeys(d for d, _ in cells))
     temps = sorted({t for _, t in cells})
     fig_width = max(6.5, width * len(datasets))  # one panel alone still needs room for the title
@@ -72,7 +77,7 @@ def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height:
     fig.suptitle("\n".join(lines), fontsize=12)
     panels = {(d, t): axes[temps.index(t)][datasets.index(d)] for d in datasets for t in temps}
     for (d, t), ax in panels.items():
-        ax.set_title(f"{d}, T = {t:g}", fontsize=11)
+        ax.set_title(f"{d}, {t}", fontsize=11)
         if (d, t) not in cells:
             ax.set_visible(False)
     return fig, panels
@@ -81,7 +86,7 @@ def grid(cells: list[tuple[str, float]], title: str, width: float = 4.6, height:
 def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float | None):
     fig, panels = grid(cells, title)
     for cell, ax in panels.items():
-        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell]
+        cell_rows = [r for r in rows if cell_of(r) == cell]
         specs = {r["method"]: MethodSpec.parse(r["method"]) for r in cell_rows}
         tree = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)), key=lambda r: r["budget"])
         if tree:
@@ -121,7 +126,7 @@ def acceptance_hist(records, specs, cells, title: str):
     colors = plt.cm.viridis([i / max(1, len(shown) - 1) * 0.9 for i in range(len(shown))])
     width = 0.8 / max(1, len(shown))
     for cell, ax in panels.items():
-        recs = [r for r in records if (r["dataset"], r["temperature"]) == cell]
+        recs = [r for r in records if cell_of(r) == cell]
         longest = max([max(r["acceptance_lengths"], default=1) for r in recs] + [2])
         for i, (spec, color) in enumerate(zip(shown, colors)):
             lengths = [a for r in recs if r["method"] == spec.label for a in r["acceptance_lengths"]]
@@ -145,7 +150,7 @@ def acceptance_hist(records, specs, cells, title: str):
 def stage_bars(rows, cells, title: str):
     fig, panels = grid(cells, title, width=5.2)
     for cell, ax in panels.items():
-        cell_rows = [r for r in rows if (r["dataset"], r["temperature"]) == cell
+        cell_rows = [r for r in rows if cell_of(r) == cell
                      and not MethodSpec.parse(r["method"]).peer]  # peers have no stages
         names = [r["method"] for r in cell_rows]
         bottom = [0.0] * len(cell_rows)
@@ -247,9 +252,11 @@ def main(argv=None) -> int:
         return 2
     specs = method_order(records)
     rows = summarize(records, specs)
-    cells = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows))
+    cells = list(dict.fromkeys(cell_of(r) for r in rows))
     drafter = env.get("drafter", "?")
-    where = f"{env.get('target', '')}, {env.get('gpu') or env.get('cpu', '')}, {env.get('dtype', '')}"
+    modes = env.get("modes") or {"float": env.get("dtype", "")}  # mode -> its dtype (older runs: one mode)
+    where = (f"{env.get('target', '')}, {env.get('gpu') or env.get('cpu', '')}, "
+             + "; ".join(f"{mode}: {dtype}" for mode, dtype in modes.items()))
     note = " (random weights: measures overhead, not the method)" if drafter == "untrained" else ""
     figures = {
         "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (tokens/s ratio, same prompts)",

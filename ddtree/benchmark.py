@@ -1,9 +1,12 @@
-"""The benchmark matrix: datasets x temperatures x methods (ar, dflash, ddtree at several budgets).
+"""The benchmark matrix: target modes x datasets x temperatures x methods (ar, dflash, ddtree at several budgets).
 
     python -m ddtree.benchmark                      # quick default (<= 10 min on a 2-core CPU)
     python -m ddtree.benchmark --full               # the paper-style matrix (hours on CPU; see --help)
     torchrun --nproc_per_node=N -m ddtree.benchmark # prompts sharded over N processes
 
+A target mode (`--quant`) is one arithmetic of the target: `float` (the reference model) or a GGUF mode
+(`gguf-int8`: llama.cpp's integer activations; the quick default runs both on a CPU). Each mode is its own model,
+with its own `ar` as the reference of its methods; the modes' runs of one prompt follow each other.
 For every prompt all methods run back to back (interleaved, `ar` first; runner.py, shared with `compare`),
 so machine drift hits them alike; speedup = method tokens/s / `ar` tokens/s over the same prompts (= ar time /
 method time at T=0, where both produce identical tokens; at T>0 samples may differ in length). The run's
@@ -49,22 +52,28 @@ from .stats import STAGES
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
     # that pay on a CPU (where narrow passes read exact GGUF blocks) and the larger ones that pay where verifying
-    # is cheap (bf16 on AMX), and auto, greedy and sampled, on the three sets. Sized from per-token costs
-    # (docs/cpu-speed.md has the sizing); the run prints its own estimate after the warm-up.
+    # is cheap (bf16 on AMX), and auto, greedy and sampled, on the three sets, in both target modes on a CPU (the
+    # float model and llama.cpp's integer activations). Sized from per-token costs (docs/cpu-speed.md has the
+    # sizing); the run prints its own estimate after the warm-up.
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
     # llama-cpp-python and are skipped with a message without it.
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                   methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                  budgets="2,4,8,16,auto", num_prompts=2, max_new_tokens=64),
+                  budgets="2,4,8,16,auto", num_prompts=2, max_new_tokens=64, quant="auto"),
     # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
     # minutes on one GPU.
     "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                 budgets="2,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256),
+                 budgets="2,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256, quant="auto"),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
-                 num_prompts=2, max_new_tokens=8),
+                 num_prompts=2, max_new_tokens=8, quant="float"),
 }
+
+# The target modes a run can compare (`--quant`): "float" is load(quant=None), the reference model in the
+# engine's default dtype; the others are load()'s quant values. "auto" is float, plus gguf-int8 where it runs
+# (a CPU and a GGUF target: the embedded default included).
+TARGET_MODES = ("float",) + QUANTS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,9 +104,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
-    p.add_argument("--quant", choices=QUANTS,
-                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations); "
-                        "gguf-int8: the same blocks with int8 activations (llama.cpp's arithmetic)")
+    p.add_argument("--quant", metavar="MODES",
+                   help="target modes, comma-separated, each a full run of every method beside the others: float "
+                        "(the reference model, float activations), gguf (the target's GGUF's own Q4_1 / Q8_0 blocks, "
+                        "float32 activations), gguf-int8 (the same blocks with int8 activations: llama.cpp's "
+                        "arithmetic); auto = float,gguf-int8 on a CPU with a GGUF target, float elsewhere "
+                        "(default: the preset's: auto; --tiny: float)")
     add_arithmetic_args(p)
     p.add_argument("--threads", type=cli_int(1),
                    help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
@@ -122,6 +134,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _describe(preset: dict) -> str:
     return ", ".join(f"{k.replace('_', '-')}={v}" for k, v in preset.items())
+
+
+def target_modes(text: str, args) -> list[str]:
+    """--quant's modes, in order. auto: float, then gguf-int8 where the target and device allow it."""
+    if text.strip() == "auto":
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            api.check_quant("gguf-int8", args.target, device, args.dtype, api.resolve_cpu_kernel(args.cpu_kernel))
+        except ConfigError:
+            return ["float"]
+        return ["float", "gguf-int8"]
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in TARGET_MODES]
+    if not modes or bad or len(set(modes)) < len(modes):
+        raise ConfigError(f"--quant must be auto or comma-separated distinct target modes from "
+                          f"{', '.join(TARGET_MODES)}; got {text!r}")
+    return modes
 
 
 def parse_floats(text: str, option: str) -> list[float]:
@@ -150,8 +179,9 @@ def dtype_label(pair) -> str:
     return str(pair.dtype).removeprefix("torch.") + (f" {quant}" if quant else "")
 
 
-def build_plan(args, pair, specs) -> list[dict]:
-    """One group per dataset x temperature x prompt; each group lists a keyed record slot per method."""
+def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
+    """One group per dataset x temperature x prompt of target mode `mode` (run on `pair`); each group lists a
+    keyed record slot per method."""
     base = dict(target=args.target or "embedded:SmolLM2-135M-Instruct", drafter=drafter_fingerprint(pair),
                 dtype=dtype_label(pair), device=pair.device.type, threads=args.threads,
                 max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, block_size=args.block_size,
@@ -170,7 +200,7 @@ def build_plan(args, pair, specs) -> list[dict]:
                      "temperature": temperature, "seed": args.seed + index, "method": s.label,
                      **({"stop": list(stop)} if stop else {})}))
                     for s in specs if peers_run or not s.peer]
-                groups.append(dict(dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
+                groups.append(dict(mode=mode, dataset=name, temperature=temperature, prompt_index=index, prompt=prompt,
                                    prompt_sha=prompt_sha, seed=args.seed + index, stop=stop, slots=slots))
     return groups
 
@@ -193,9 +223,9 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
     append the records (and with --traces their per-step traces) to the sinks."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
                            trace=args.traces, stop=group["stop"])
-    fields = dict(dataset=group["dataset"], temperature=group["temperature"], prompt_index=group["prompt_index"],
-                  prompt_sha=group["prompt_sha"], seed=group["seed"], max_new_tokens=args.max_new_tokens,
-                  top_p=args.top_p, top_k=args.top_k)
+    fields = dict(mode=group["mode"], dataset=group["dataset"], temperature=group["temperature"],
+                  prompt_index=group["prompt_index"], prompt_sha=group["prompt_sha"], seed=group["seed"],
+                  max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k)
     keys = {slot["method"]: slot["key"] for slot in group["slots"]}
 
     def tamper(spec, tokens, rec):  # --inject-mismatch: corrupt one token of the first tree method's output
@@ -227,15 +257,21 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
 WARMUP_TOKENS = 8
 
 
+def _prompt_of(group: dict) -> tuple:
+    """What a group decodes, whatever its target mode: its dataset, temperature and prompt."""
+    return group["dataset"], group["temperature"], group["prompt_index"]
+
+
 def estimate_seconds(measured: list[dict], groups: list[dict], args) -> float:
-    """Seconds the runs of `groups` should take, from `measured` records: per method its prefill plus its
-    seconds per generated token times max_new_tokens (methods not measured take the slowest one's)."""
-    rates = {r["method"]: (r["time_to_first_token"], (r["seconds"] - r["time_to_first_token"]) /
-                           max(1, r["new_tokens"] - 1)) for r in measured}
+    """Seconds the runs of `groups` should take, from `measured` records (each with its target `mode`): per mode
+    and method its prefill plus its seconds per generated token times max_new_tokens (what was not measured takes
+    the slowest one's)."""
+    rates = {(r["mode"], r["method"]): (r["time_to_first_token"], (r["seconds"] - r["time_to_first_token"]) /
+                                        max(1, r["new_tokens"] - 1)) for r in measured}
     slowest = max(rates.values(), key=lambda rate: rate[1], default=(0.0, 0.0))
     return sum(first + per_token * args.max_new_tokens
                for g in groups for slot in g["slots"]
-               for first, per_token in [rates.get(slot["method"], slowest)])
+               for first, per_token in [rates.get((g["mode"], slot["method"]), slowest)])
 
 
 def _minutes(seconds: float) -> str:
@@ -324,22 +360,34 @@ def _git_commit() -> str | None:
     return (head + ("+dirty" if dirty else "")) if head else None
 
 
+def record_mode(rec: dict) -> str:
+    """A record's target mode (records written before modes were recorded ran the one their env's dtype names)."""
+    dtype = rec.get("env", {}).get("dtype", "")
+    return rec.get("mode") or ("gguf-int8" if dtype.endswith(" int8") else "gguf" if " gguf" in dtype else "float")
+
+
 def summarize(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
-    """One row per dataset x temperature x method (runner.summarize_methods: speedup over ar, same prompts)."""
+    """One row per target mode x dataset x temperature x method (runner.summarize_methods: speedup over the same
+    mode's ar, same prompts)."""
     rows = []
-    for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in records):
-        cell = [r for r in records if r["dataset"] == dataset and r["temperature"] == temperature]
-        rows += [dict(dataset=dataset, temperature=temperature, **row) for row in summarize_methods(cell, specs)]
+    cells = list(dict.fromkeys((record_mode(r), r["dataset"], r["temperature"]) for r in records))
+    modes = list(dict.fromkeys(mode for mode, _, _ in cells))
+    for mode, dataset, temperature in sorted(cells, key=lambda cell: modes.index(cell[0])):  # a mode's rows together
+        cell = [r for r in records
+                if record_mode(r) == mode and r["dataset"] == dataset and r["temperature"] == temperature]
+        rows += [dict(mode=mode, dataset=dataset, temperature=temperature, **row)
+                 for row in summarize_methods(cell, specs)]
     return rows
 
 
-COLUMNS = ["dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup"] + [f"{s} ms/tok" for s in STAGES] + \
-    ["agrees with ar", "tie flips", "errors"]
+COLUMNS = ["mode", "dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup"] + \
+    [f"{s} ms/tok" for s in STAGES] + ["agrees with ar", "tie flips", "errors"]
 
 
 def _cells(row: dict) -> list[str]:
-    return [row["dataset"], f"{row['temperature']:g}", row["method"], str(row["prompts"]), f"{row['tau']:.2f}",
-            f"{row.get('mean_nodes', 0.0):.1f}", f"{row['tokens_per_second']:.1f}", f"{row['speedup']:.2f}x"] + \
+    return [row["mode"], row["dataset"], f"{row['temperature']:g}", row["method"], str(row["prompts"]),
+            f"{row['tau']:.2f}", f"{row.get('mean_nodes', 0.0):.1f}", f"{row['tokens_per_second']:.1f}",
+            f"{row['speedup']:.2f}x"] + \
         [f"{row['stage_ms_per_token'][s]:.1f}" for s in STAGES] + \
         ["-" if row.get("agreement") is None else f"{100 * row['agreement']:.0f}%"] + \
         [str(row["tie_flips"]), str(row["errors"])]  # agreement: llamacpp rows only
@@ -347,13 +395,15 @@ def _cells(row: dict) -> list[str]:
 
 def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
     """summary.md (also returned, for printing), summary.tex and summary.json in OUT."""
-    header = (f"target {env['target']}, drafter **{env['drafter']}**, {env['device']} {env['dtype']}, "
+    modes = "; ".join(f"{mode}: {dtype}" for mode, dtype in env["modes"].items())
+    header = (f"target {env['target']}, drafter **{env['drafter']}**, {env['device']}, target modes ({modes}), "
               f"{env['threads']} thread(s) x {env['world_size']} process(es), {env['gpu'] or env['cpu']}, "
               f"torch {env['torch']}, transformers {env['transformers']}, commit {env['git_commit']}")
     warning = ("\n> The drafter is UNTRAINED (random weights): tau is about 1 and speculative methods are slower "
                "than ar. These numbers measure overhead only, not what DFlash/DDTree achieve.\n"
                if env["drafter"] == "untrained" else "")
-    md = (f"# ddtree benchmark\n\n{header}\n{warning}\nspeedup = method tokens/s / ar tokens/s on the same prompts "
+    md = (f"# ddtree benchmark\n\n{header}\n{warning}\nspeedup = method tokens/s / ar tokens/s on the same prompts in "
+          f"the same target mode "
           f"(= ar time / method time at T=0); "
           f"tau = tokens per target verify pass; stage columns in ms per generated token.\n\n"
           f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n" +
@@ -365,7 +415,7 @@ def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
             cell = cell.replace(char, "\\" + char)
         return cell[:-1] + "$\\times$" if cell.endswith("x") and cell[:-1].replace(".", "").isdigit() else cell
 
-    latex = ("% ddtree benchmark: " + header.replace("**", "") + "\n\\begin{tabular}{lrl" + "r" * (len(COLUMNS) - 3) +
+    latex = ("% ddtree benchmark: " + header.replace("**", "") + "\n\\begin{tabular}{llrl" + "r" * (len(COLUMNS) - 4) +
              "}\n\\toprule\n" + " & ".join(tex(c) for c in COLUMNS) + " \\\\\n\\midrule\n" +
              "".join(" & ".join(tex(c) for c in _cells(r)) + " \\\\\n" for r in rows) +
              "\\bottomrule\n\\end{tabular}\n")
@@ -394,48 +444,59 @@ def _main(args) -> int:
     torch.set_num_threads(args.threads)
     out = output_dir(args.out, "--out")
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
+    modes = target_modes(args.quant, args)
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
-    pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, quant=args.quant,
-                    cpu_kernel=args.cpu_kernel, gguf_blocks=not args.no_gguf_blocks,
-                    markov_head=args.markov_head)
-    pair.decoder.sync_stages = args.sync_stages
+    pairs = {}  # target mode -> its pair; every mode is loaded up front, so its prompts interleave with the others'
+    for mode in modes:
+        pairs[mode] = api.load(args.target, args.draft, args.device, args.dtype, args.attention,
+                               quant=None if mode == "float" else mode, cpu_kernel=args.cpu_kernel,
+                               gguf_blocks=not args.no_gguf_blocks, markov_head=args.markov_head)
+        pairs[mode].decoder.sync_stages = args.sync_stages
     if rank == 0:
         barrier(world)
-    env = environment(pair, args.threads, world)
-    plan = build_plan(args, pair, specs)
+    envs = {mode: environment(pair, args.threads, world) for mode, pair in pairs.items()}
+    # group i of every mode (the same prompt and setting) back to back: machine drift hits the modes alike
+    plan = [g for same in zip(*(build_plan(args, pair, specs, mode) for mode, pair in pairs.items())) for g in same]
     done = load_records(out)
     mine = plan[rank::world]  # round-robin over groups: every rank gets a mix of datasets and prompts
     todo = [g for g in mine if not all(s["key"] in done for s in g["slots"])]
     if rank == 0:
-        print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods; drafter: {pair.drafter.label}; "
-              f"{world} process(es); {sum(len(g['slots']) for g in todo)} runs to do on rank 0, "
-              f"{len(mine) - len(todo)} groups cached", file=sys.stderr)
+        print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods ({', '.join(modes)}); "
+              f"drafter: {pairs[modes[0]].drafter.label}; {world} process(es); "
+              f"{sum(len(g['slots']) for g in todo)} runs to do on rank 0, {len(mine) - len(todo)} groups cached",
+              file=sys.stderr)
     errors = 0
     suffix = "" if world == 1 else f".rank{rank}"
     shard, trace_shard = out / f"records{suffix}.jsonl", out / f"traces{suffix}.jsonl"
     progress = tqdm(total=sum(len(g["slots"]) for g in todo), desc=f"rank {rank}", unit="run", position=rank,
                     disable=args.no_progress, dynamic_ncols=True)
-    peers = Peers(pair)
+    peers = {mode: Peers(pair) for mode, pair in pairs.items()}  # a peer runs each mode's idea of its weights
     started = time.perf_counter()
-    if todo:  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
-        warm = run_prompt(pair, todo[0]["prompt"], specs, RunSettings(WARMUP_TOKENS, block_size=args.block_size,
-                                                                       stop=todo[0]["stop"]), peers=peers)
-        if rank == 0:
-            say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
-                f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")
+    warm = []  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
+    for mode in dict.fromkeys(g["mode"] for g in todo):
+        group = next(g for g in todo if g["mode"] == mode)
+        warm += [dict(r, mode=mode) for r in run_prompt(pairs[mode], group["prompt"], specs, RunSettings(
+            WARMUP_TOKENS, block_size=args.block_size, stop=group["stop"]), peers=peers[mode])]
+    if todo and rank == 0:
+        say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
+            f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")
     inject = [True] if args.inject_mismatch else []  # consumed by the first ddtree run
     with open(shard, "a", encoding="utf-8") as sink, open(trace_shard, "a", encoding="utf-8") as traces:
         for path, f in ((shard, sink), (trace_shard, traces)):
             if f.tell() and not path.read_bytes().endswith(b"\n"):
                 f.write("\n")  # a crash cut the last line short: never glue a new record onto it
+        first = next((i for i, g in enumerate(todo) if _prompt_of(g) != _prompt_of(todo[0])), len(todo))
+        measured, t0 = [], time.perf_counter()  # the first prompt's runs, in every mode (adjacent in the plan)
         for i, group in enumerate(todo):
-            t0 = time.perf_counter()
-            recs = run_group(pair, group, args, env, {"records": sink, "traces": traces}, progress, inject, peers)
+            mode = group["mode"]
+            recs = run_group(pairs[mode], group, args, envs[mode], {"records": sink, "traces": traces}, progress,
+                             inject, peers[mode])
             errors += sum(r["check"] == "error" for r in recs)
-            if i == 0 and rank == 0 and len(todo) > 1:
-                scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(recs, todo[:1], args))
-                left = estimate_seconds(recs, todo[1:], args) * scale  # the checks and the rest, as measured
+            measured += recs if i < first else []
+            if i == first - 1 and rank == 0 and len(todo) > first:
+                scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(measured, todo[:first], args))
+                left = estimate_seconds(measured, todo[first:], args) * scale  # the checks and the rest, as measured
                 say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first prompt's "
                     f"runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are shorter)")
     if trace_shard.stat().st_size == 0:
@@ -449,6 +510,7 @@ def _main(args) -> int:
         merge_shards(out, records)
     planned = [records[s["key"]] for g in plan for s in g["slots"] if s["key"] in records]
     rows = summarize(planned, specs)
+    env = dict(envs[modes[0]], modes={mode: e["dtype"] for mode, e in envs.items()})
     text = write_summaries(out, rows, env)
     (out / "last_run.json").write_text(json.dumps({"keys": [r["key"] for r in planned], "env": env,
                                                    "args": vars(args)}, indent=1, default=str) + "\n")

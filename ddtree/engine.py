@@ -32,12 +32,33 @@ from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, w
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
 
 
+def host_kernel(model):
+    """The compiled CPU kernel of the runtime `model` runs in (cpu/runtime.py: CPUTarget, CPUDrafter), or None."""
+    return getattr(model, "kernel", None)
+
+
 def tree_nodes(drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int):
-    """A draft's best-first nodes (tree.best_first_nodes' contract): from the drafter's per-position marginals,
-    or, when it has a Markov head (ddtree/markov.py), from each node's own conditional."""
-    if drafter.markov is None:
-        return best_first_nodes(logprobs, budget)
-    return head_tree_nodes(drafter, logprobs, bonus, budget)
+    """A draft's best-first nodes (tree.best_first_nodes' contract, the draft ids as a LongTensor [n] on the
+    logprobs' device): from the drafter's per-position marginals, through its CPU runtime's kernel where it has
+    one (kernels/tree.cpp: the same nodes in one call), or, when it has a Markov head (ddtree/markov.py), from
+    each node's own conditional."""
+    if drafter.markov is not None:
+        parents, depths, ids, scores = head_tree_nodes(drafter, logprobs, bonus, budget)
+    elif (kernel := host_kernel(drafter)) is not None and logprobs.device.type == "cpu" and \
+            logprobs.dtype == torch.float32:
+        parents, depths, ids, scores = kernel.best_first_tree(logprobs.contiguous(), budget)
+        return parents.numpy(), depths.numpy(), ids, scores.numpy()
+    else:
+        parents, depths, ids, scores = best_first_nodes(logprobs, budget)
+    return parents, depths, torch.tensor(ids, dtype=torch.long, device=logprobs.device), scores
+
+
+def tree_tokens(drafter, bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A tree's tokens [n + 1] in the target's vocabulary: the root `bonus` [1], then the draft ids [n] (the draft
+    vocabulary's; DFlashDrafter.to_target_ids), in one kernel call on a CPU runtime."""
+    if (kernel := host_kernel(drafter)) is not None and ids.device.type == "cpu":
+        return kernel.tree_tokens(int(bonus), ids.contiguous(), drafter.d2t if drafter.cfg.reduced_vocab else None)
+    return torch.cat([bonus, drafter.to_target_ids(ids)])
 
 
 def chain_ids(drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
@@ -123,8 +144,8 @@ class DFlash(Method):
             logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
             ids = chain_ids(drafter, logits, bonus)  # [length - 1] in the draft vocabulary
-            tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
-            return DraftTree(tokens, *chain_parents(length), draft_logits=logits, draft_ids=ids)
+            return DraftTree(tree_tokens(drafter, bonus, ids), *chain_parents(length), draft_logits=logits,
+                             draft_ids=ids)
 
 
 class DDTree(Method):
@@ -158,12 +179,12 @@ class DDTree(Method):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
-            parents, depths, tokens, scores = tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
-                                                         min(self.budget, room - 1))
+            parents, depths, ids, scores = tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
+                                                      min(self.budget, room - 1))
             b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
-            ids = torch.tensor(tokens[:b], dtype=torch.long, device=bonus.device)  # [b] in the draft vocabulary
-            tokens = torch.cat([bonus, drafter.to_target_ids(ids)])
-            return DraftTree(tokens, parents[:b + 1], depths[:b + 1], draft_logits=logits, draft_ids=ids)
+            ids = ids[:b]  # [b] in the draft vocabulary
+            return DraftTree(tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], draft_logits=logits,
+                             draft_ids=ids)
 
     def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
         """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
@@ -268,12 +289,26 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
 
+    def compile(self, tree: DraftTree, start: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The verify pass's inputs beside the tokens: the visibility among the tree's nodes (bool [N, N]; None for a
+        lone root) and their positions [N] after `start` cached ones, in one kernel call on a CPU runtime."""
+        kernel, device = host_kernel(self.target), self.target.device
+        if kernel is not None and device.type == "cpu":
+            ancestors, positions = kernel.tree_visibility(tree.parents, tree.depths, start)
+            return (ancestors if tree.size > 1 else None), positions
+        ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device) if tree.size > 1 else None
+        return ancestors, torch.from_numpy(tree.depths).to(device) + start
+
     def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
-        """The target's choices and the walk: greedy, all nodes at once (one tensor op); sampled, or with
+        """The target's choices and the walk: greedy, all nodes at once (one tensor op, or on a CPU runtime one kernel
+        call for the argmax and the walk: kernels/tree.cpp's greedy_walk); sampled, or with
         RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (on a CPU processing a
         whole-vocabulary distribution, and an LM-head row, cost real time per node). logits: [N, V] or RowLogits.
         Tests override this to plant a biased rule."""
         if sampling.greedy and isinstance(logits, torch.Tensor):
+            kernel = host_kernel(self.target)
+            if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+                return kernel.greedy_walk(logits.contiguous(), tree.parents, tree.tokens)  # argmax + walk, one call
             return walk(tree, ancestors, choose(logits, sampling, generator))
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
@@ -364,11 +399,8 @@ class Decoder:
             start = tcache.length
             tree = method.propose(drafter, dcache, torch.tensor(tokens[-1:], device=device), tcache.room, timer)
             with timer("tree_compile"):
-                ancestors = None
-                if tree.size > 1:
-                    ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device)
+                ancestors, positions = self.compile(tree, start)
                 vis = Visibility(start, ancestors)
-                positions = torch.from_numpy(tree.depths).to(device) + start
             with timer("verify"):
                 lazy = {"row_logits": True} if target.lazy_logits(tree.size) else {}
                 out = target(tree.tokens, positions, tcache, vis, taps, **lazy)

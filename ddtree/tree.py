@@ -78,7 +78,9 @@ class _Ranks:
 
 def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     """`best_first_tree` plus each draft node's path log-probability [budget], in pop order (non-increasing).
-    Any prefix of the pop order is itself a tree: the first b nodes are the best tree of budget b."""
+    Any prefix of the pop order is itself a tree: the first b nodes are the best tree of budget b.
+    kernels/tree.cpp's best_first_tree is the same heap in C++ (the engine's on a CPU runtime); equal log-probs
+    within a depth are ordered there by token id, here as torch.topk returns them."""
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     max_depth, vocab = logprobs.shape

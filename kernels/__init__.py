@@ -2,7 +2,8 @@
 
 - `tree_attention.py`: the Triton tree-attention kernel and its PyTorch reference (GPU; the interpreter in tests).
   Import it as `ddtree.kernels.tree_attention`: this package itself imports nothing, so it loads without triton.
-- `qlinear.cpp`, `decoder.cpp`, `cpu_kernels.h`: the CPU kernels, compiled on first use by `ddtree.cpu.qlinear`.
+- `qlinear.cpp`, `decoder.cpp`, `int8_linear.cpp`, `tree.cpp`, `cpu_kernels.h`: the CPU kernels, compiled on first use
+  by `ddtree.cpu.qlinear`.
 """
 from pathlib import Path
 

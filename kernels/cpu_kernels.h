@@ -1,6 +1,6 @@
 // The CPU extension's entry points shared between its sources (qlinear.cpp: the matmuls; decoder.cpp: whole
-// decoder layers; int8_linear.cpp: the matmuls with integer activations). All take and return contiguous float32 CPU tensors; see each source for layouts and the
-// order of the sums.
+// decoder layers; int8_linear.cpp: the matmuls with integer activations; tree.cpp: a DDTree step's host work). The
+// products take and return contiguous float32 CPU tensors; see each source for layouts and the order of the sums.
 #pragma once
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -24,6 +24,8 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor spans);  // Q4_1 spans 
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d);
 
 void bind_decoder(pybind11::module& mod);  // decoder.cpp
+int64_t argmax_row(const float* p, int64_t v);  // decoder.cpp: torch.argmax of one row (first maximum, NaN first)
+void bind_tree(pybind11::module& mod);  // tree.cpp: a DDTree step's host work
 
 }  // namespace ddtree
 

@@ -510,49 +510,54 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// argmax of each row of x [N, V]: torch.argmax's answer (the first maximum; a NaN counts as the maximum, the first
+}  // namespace
+
+// argmax of one row p [v] (v > 0): torch.argmax's answer (the first maximum; a NaN counts as the maximum, the first
 // one), in a vectorized pass for the maximum and one for its first index. torch's reduction is several times slower
 // over a large vocabulary, and it runs every step of every method.
+int64_t argmax_row(const float* p, int64_t v) {
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 nan = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= v; j += 8) {
+    const __m256 a = _mm256_loadu_ps(p + j);
+    top = _mm256_max_ps(top, a);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float best = lanes[0];
+  for (int l = 1; l < 8; ++l) best = std::max(best, lanes[l]);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t t = j; t < v; ++t) {
+    if (std::isnan(p[t])) has_nan = true;
+    else best = std::max(best, p[t]);
+  }
+  if (has_nan) {
+    int64_t found = 0;
+    while (!std::isnan(p[found])) ++found;
+    return found;
+  }
+  const __m256 b = _mm256_set1_ps(best);
+  int64_t k = 0;
+  for (; k + 8 <= v; k += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + k), b, _CMP_EQ_OQ));
+    if (mask) break;
+  }
+  while (p[k] != best) ++k;  // the first lane of the block that matched, or the tail
+  return k;
+}
+
+namespace {
+
+// argmax_row of each row of x [N, V] -> long [N].
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu() && x.size(1) > 0,
               "argmax_rows: x must be float32 CPU [N, V] with V > 0");
   x = x.contiguous();
   const int64_t n = x.size(0), v = x.size(1);
   torch::Tensor out = torch::empty({n}, x.options().dtype(torch::kLong));
-  for (int64_t i = 0; i < n; ++i) {
-    const float* p = x.data_ptr<float>() + i * v;
-    __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-    __m256 nan = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= v; j += 8) {
-      const __m256 a = _mm256_loadu_ps(p + j);
-      top = _mm256_max_ps(top, a);
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, top);
-    float best = lanes[0];
-    for (int l = 1; l < 8; ++l) best = std::max(best, lanes[l]);
-    bool has_nan = _mm256_movemask_ps(nan) != 0;
-    for (int64_t t = j; t < v; ++t) {
-      if (std::isnan(p[t])) has_nan = true;
-      else best = std::max(best, p[t]);
-    }
-    int64_t found = 0;
-    if (has_nan) {
-      while (!std::isnan(p[found])) ++found;
-    } else {
-      const __m256 b = _mm256_set1_ps(best);
-      int64_t k = 0;
-      for (; k + 8 <= v; k += 8) {
-        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + k), b, _CMP_EQ_OQ));
-        if (mask) break;
-      }
-      while (p[k] != best) ++k;  // the first lane of the block that matched, or the tail
-      found = k;
-    }
-    out.data_ptr<int64_t>()[i] = found;
-  }
+  for (int64_t i = 0; i < n; ++i) out.data_ptr<int64_t>()[i] = argmax_row(x.data_ptr<float>() + i * v, v);
   return out;
 }
 

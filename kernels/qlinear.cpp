@@ -382,6 +382,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("q4_1_linear", &q4_1_linear, "x [M, K] @ W^T, W in Q4_1 blocks (40-byte spans: lanes, fp16 scales)");
   mod.def("q8_0_linear", &q8_0_linear, "x [M, K] @ W^T, W in GGUF Q8_0 blocks");
   bind_decoder(mod);
+  bind_tree(mod);
   ddtree_int8::bind(mod, "int8_");
   mod.attr("wide_pass_rows") = WIDE_PASS_ROWS;  // exact_blocks reads the blocks up to this many rows
 #if defined(__AVX512VL__)

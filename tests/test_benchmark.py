@@ -109,3 +109,37 @@ def test_hf_baseline_adaptive_budget_and_traces(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in ("speedup_vs_budget", "trace_depth", "trace_rank", "trace_calibration"):
         assert (tmp_path / "plots" / f"{name}.png").stat().st_size > 5000, name
+
+
+def test_two_target_modes(tmp_path):
+    """--quant float,gguf-int8: every method in both target modes, each checked against its own mode's ar; the
+    summary has each mode's rows together, and the plots a row of panels per mode."""
+    proc = run("bash", "run_benchmark.sh", "--tiny", "--quant", "float,gguf-int8", "--datasets", "gsm",
+               "--num-prompts", "1", "--threads", "1", "--no-progress", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "estimated time for the 6 runs: ~" in proc.stderr
+    recs = records(tmp_path)
+    assert sorted((r["mode"], r["method"]) for r in recs) == sorted(
+        (mode, method) for mode in ("float", "gguf-int8") for method in METHODS)
+    for r in recs:
+        assert r["check"] in ({"reference"} if r["method"] == "ar" else {"identical", "tie_flip"})
+        assert r["env"]["dtype"].endswith(" int8") == (r["mode"] == "gguf-int8")
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["float"] * 3 + ["gguf-int8"] * 3
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| gguf-int8 | gsm | 0 | ddtree:16 |" in summary and "gguf-int8: float32 gguf" in summary
+    proc = run(sys.executable, "plot_results.py", "--results", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "plots" / "speedup_vs_budget.png").stat().st_size > 5000
+
+
+def test_target_modes_auto():
+    """auto: the float target, plus integer activations where they run (a CPU, a GGUF target, the CPU kernels)."""
+    from ddtree.benchmark import parse_args, target_modes
+
+    assert parse_args([]).quant == "auto" and parse_args(["--tiny"]).quant == "float"
+    cpu = parse_args(["--device", "cpu"])
+    assert target_modes("auto", cpu) == ["float", "gguf-int8"]
+    assert target_modes("auto", parse_args(["--device", "cpu", "--cpu-kernel", "off"])) == ["float"]
+    assert target_modes("auto", parse_args(["--device", "cpu", "--dtype", "bfloat16"])) == ["float"]
+    assert target_modes("gguf-int8,float", cpu) == ["gguf-int8", "float"]

@@ -177,7 +177,8 @@ def test_greedy_with_a_head_matches_ar(arch):
         head, drafter.markov = drafter.markov, None
         plain = tree_nodes(drafter, logits.float().log_softmax(-1), torch.tensor([prompt[-1]]), 16)[2]
         drafter.markov = head
-        changed += plain != tree_nodes(drafter, logits.float().log_softmax(-1), torch.tensor([prompt[-1]]), 16)[2]
+        changed += not torch.equal(plain, tree_nodes(drafter, logits.float().log_softmax(-1), torch.tensor([prompt[-1]]),
+                                                     16)[2])
     assert changed > 0, "the head never changed a tree: the test would not see it misused"
 
 

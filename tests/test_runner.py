@@ -66,11 +66,15 @@ def test_run_prompt_skips_hf_when_sampling_and_lets_a_tamper_fail_the_check():
 
 
 def test_estimate_from_measured_runs():
-    measured = [dict(rec("ar", 0, 1.1, 11), time_to_first_token=0.1),  # 0.1 s per token after the first
-                dict(rec("ddtree:8", 0, 0.7, 7), time_to_first_token=0.1)]
-    groups = [dict(slots=[dict(method="ar"), dict(method="ddtree:8"), dict(method="hf")])] * 2
-    # per group: ar 0.1 + 0.1 x 20, ddtree 0.1 + 0.1 x 20, hf (unmeasured) as the slowest: 2.1 -> 6.3 s x 2
-    assert estimate_seconds(measured, groups, SimpleNamespace(max_new_tokens=20)) == pytest.approx(12.6)
+    measured = [dict(rec("ar", 0, 1.1, 11), time_to_first_token=0.1, mode="float"),  # 0.1 s a token after the first
+                dict(rec("ddtree:8", 0, 0.4, 7), time_to_first_token=0.1, mode="float"),  # 0.05 s a token
+                dict(rec("ar", 0, 0.6, 11), time_to_first_token=0.1, mode="gguf-int8")]  # 0.05 s a token
+    groups = [dict(mode="float", slots=[dict(method="ar"), dict(method="ddtree:8"), dict(method="hf")])] * 2
+    # per group: ar 0.1 + 0.1 x 20, ddtree 0.1 + 0.05 x 20, hf (unmeasured) as the slowest: 2.1 -> 5.3 s x 2
+    assert estimate_seconds(measured, groups, SimpleNamespace(max_new_tokens=20)) == pytest.approx(10.6)
+    # each target mode at its own rates: ar in gguf-int8 1.1 s, its ddtree:8 (unmeasured) as the slowest, 2.1 s
+    int8 = [dict(mode="gguf-int8", slots=[dict(method="ar"), dict(method="ddtree:8")])]
+    assert estimate_seconds(measured, int8, SimpleNamespace(max_new_tokens=20)) == pytest.approx(3.2)
 
 
 def test_presets_show_the_project_quickly_and_sweep_in_full():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import DraftTree, ancestor_matrix, best_first_tree, chain_parents, walk
+from ddtree.tree import DraftTree, ancestor_matrix, best_first_nodes, best_first_tree, chain_parents, walk
 
 
 def brute_force_best(logprobs: torch.Tensor, budget: int) -> float:
@@ -200,3 +200,86 @@ def test_walk_drawn_visits_only_the_path_and_agrees_with_walk():
         assert all(drawn[i] == -1 for i in range(tree.size) if i not in path)
     single = DraftTree(torch.tensor([4]), *chain_parents(1))
     assert walk_drawn(single, lambda i: 2) == ([0], [2])
+
+
+# --- the same functions in the CPU kernel (kernels/tree.cpp), as the engine runs them on a CPU runtime -------------
+def _kernel():
+    from ddtree.cpu import qlinear
+
+    return qlinear.kernel()
+
+
+def _distinct_logprobs(gen: torch.Generator, depth: int, vocab: int, scale: float) -> torch.Tensor:
+    """Random log-probs without ties inside a row (torch.topk leaves the order of equal values unspecified): each row
+    the normal quantiles of its vocabulary in a random order, far more than a rounding apart."""
+    quantiles = torch.special.ndtri((torch.arange(vocab, dtype=torch.float64) + 0.5) / vocab).float() * scale
+    lp = torch.stack([quantiles[torch.randperm(vocab, generator=gen)] for _ in range(depth)]).log_softmax(-1)
+    assert not (lp.sort(dim=-1).values.diff(dim=-1) == 0).any()
+    return lp
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("depth,vocab,budget", [(1, 5, 3), (2, 8192, 2), (7, 8192, 8), (15, 8192, 16),
+                                                (4, 300, 64), (3, 40, 100), (15, 2000, 256)])
+def test_kernel_tree_is_the_python_heap(seed, depth, vocab, budget):
+    """best_first_tree: the same parents, depths, ids and path log-probs (bit for bit) in the same pop order, lazy
+    ranks past the first 32 included."""
+    lp = _distinct_logprobs(torch.Generator().manual_seed(seed), depth, vocab, scale=[0.5, 2.0, 6.0][seed % 3])
+    parents, depths, ids, scores = _kernel().best_first_tree(lp, budget)
+    want = best_first_nodes(lp, budget)
+    np.testing.assert_array_equal(parents.numpy(), want[0])
+    np.testing.assert_array_equal(depths.numpy(), want[1])
+    assert ids.tolist() == want[2]
+    np.testing.assert_array_equal(scores.numpy(), want[3])
+
+
+def test_kernel_tree_orders_equal_log_probs_by_token_id():
+    lp = torch.tensor([[-1.0, -2.0, -1.0, -3.0, -2.0, -1.0]])
+    assert _kernel().best_first_tree(lp, 6)[2].tolist() == [0, 2, 5, 1, 4, 3]
+    assert _kernel().best_first_tree(lp, 2)[2].tolist() == [0, 2]
+    with pytest.raises(RuntimeError, match="budget must be >= 1"):
+        _kernel().best_first_tree(lp, 0)
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensor"):
+        _kernel().best_first_tree(lp.double(), 2)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_kernel_visibility_is_the_ancestor_matrix(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lp = _distinct_logprobs(gen, 6, 30, scale=1.5)
+    parents, depths, _, _ = best_first_nodes(lp, 1 + seed * 5)
+    ancestors, positions = _kernel().tree_visibility(parents, depths, 41)
+    np.testing.assert_array_equal(ancestors.numpy(), ancestor_matrix(parents, depths))
+    assert positions.tolist() == (depths + 41).tolist()
+
+
+def test_kernel_visibility_refuses_a_parent_after_its_child():
+    with pytest.raises(RuntimeError, match="node 2 has parent 3; parents must precede their children"):
+        _kernel().tree_visibility(np.array([-1, 0, 3, 1]), np.array([0, 1, 2, 2]), 0)
+
+
+def test_kernel_tree_tokens_map_draft_ids_to_target_ids():
+    d2t = torch.tensor([5, 0, 7, 1])  # draft id j -> target id j + d2t[j]
+    ids = torch.tensor([2, 0, 3])
+    assert _kernel().tree_tokens(9, ids, d2t).tolist() == [9, 9, 5, 4]
+    assert _kernel().tree_tokens(9, ids, None).tolist() == [9, 2, 0, 3]
+    with pytest.raises(RuntimeError, match="draft id 4 is outside the draft vocabulary"):
+        _kernel().tree_tokens(9, torch.tensor([4]), d2t)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kernel_greedy_walk_is_argmax_then_walk(seed):
+    """greedy_walk: torch.argmax at every node (first maximum, NaN first) and tree.walk's path, on random trees whose
+    tokens often match their parent's choice."""
+    gen = torch.Generator().manual_seed(seed)
+    parents, depths, _, _ = best_first_nodes(_distinct_logprobs(gen, 5, 7, scale=1.0), 1 + 3 * seed)
+    n = len(parents)
+    logits = torch.randn(n, 50, generator=gen)
+    logits[:, 3] = logits.max(dim=-1).values  # ties: the first maximum wins
+    if seed % 3 == 0:
+        logits[0, 17] = float("nan")
+    choices = logits.argmax(dim=-1)
+    tokens = torch.where(torch.rand(n, generator=gen) < 0.7, choices[torch.from_numpy(parents).clamp(min=0)],
+                         torch.randint(0, 50, (n,), generator=gen))
+    tree = DraftTree(tokens, parents, depths)
+    assert _kernel().greedy_walk(logits, parents, tokens) == walk(tree, None, choices)

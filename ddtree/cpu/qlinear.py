@@ -118,7 +118,7 @@ def build_kernel(isa: str = "avx2"):
     if isa == "avx512" and capability != "AVX512":
         raise ConfigError(f"the avx512 kernel (cpu_kernel='avx512' or DDTREE_CPU_ISA=avx512) on a CPU without AVX-512 "
                           f"(torch reports {capability!r}); choose cpu_kernel 'auto' or 'avx2'")
-    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp", "int8_linear.cpp")]
+    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp", "int8_linear.cpp", "tree.cpp")]
     # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
     if isa == "avx512":
