@@ -172,7 +172,7 @@ def walk_drawn(tree: DraftTree, draw) -> tuple[list[int], list[int]]:
     front (the walk never reads the others), at the cost of at most depth + 1 draws instead of N.
     Returns the path (root first) and choices [N] with -1 at nodes never visited."""
     tokens = tree.tokens.tolist()
-    children: dict[tuple[int, int], int] = {(int(p), tokens[i]): i for i, p in enumerate(tree.parents) if p >= 0}
+    children: dict[tuple[int, int], int] = {(p, tokens[i]): i for i, p in enumerate(tree.parents.tolist()) if p >= 0}
     choices = [-1] * tree.size
     path = [0]
     while True:
