@@ -288,14 +288,15 @@ class Decoder:
     def __init__(self, target, drafter=None, sync_stages: bool = False):
         self.target, self.drafter = target, drafter
         self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
+        self.kernel = host_kernel(target)  # a CPU runtime's kernel: the step's compile and greedy walk in C++
 
     def compile(self, tree: DraftTree, start: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The verify pass's inputs beside the tokens: the visibility among the tree's nodes (bool [N, N]; None for a
         lone root) and their positions [N] after `start` cached ones, in one kernel call on a CPU runtime."""
-        kernel, device = host_kernel(self.target), self.target.device
-        if kernel is not None and device.type == "cpu":
-            ancestors, positions = kernel.tree_visibility(tree.parents, tree.depths, start)
+        if self.kernel is not None:
+            ancestors, positions = self.kernel.tree_visibility(tree.parents, tree.depths, start)
             return (ancestors if tree.size > 1 else None), positions
+        device = self.target.device
         ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device) if tree.size > 1 else None
         return ancestors, torch.from_numpy(tree.depths).to(device) + start
 
@@ -306,9 +307,8 @@ class Decoder:
         whole-vocabulary distribution, and an LM-head row, cost real time per node). logits: [N, V] or RowLogits.
         Tests override this to plant a biased rule."""
         if sampling.greedy and isinstance(logits, torch.Tensor):
-            kernel = host_kernel(self.target)
-            if kernel is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
-                return kernel.greedy_walk(logits.contiguous(), tree.parents, tree.tokens)  # argmax + walk, one call
+            if self.kernel is not None and logits.dtype == torch.float32:
+                return self.kernel.greedy_walk(logits.contiguous(), tree.parents, tree.tokens)  # argmax + walk
             return walk(tree, ancestors, choose(logits, sampling, generator))
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 

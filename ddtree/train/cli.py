@@ -37,8 +37,7 @@ from .card import model_card
 from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
 from .grow import grow_drafter, layers_from_target
 from .markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
-from .probe import tree_tau
-from .probe import probe
+from .probe import probe, tree_tau
 from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
 from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
                       resume_config)
@@ -419,7 +418,8 @@ def cmd_markov_fit(args) -> int:
         raise ConfigError("--draft is needed with --target: the drafter the head is fitted to")
     tables = read_tables(args.tables)  # before the (slow) load: a wrong path is refused at once
     target = _load_target(args, lambda device: torch.float32)[0]  # only its embedding: the parents' codes
-    drafter = DFlashDrafter.load(args.draft or SHIPPED_DRAFTER, target=target)
+    source = Path(args.draft or SHIPPED_DRAFTER)
+    drafter = DFlashDrafter.load(source, target=target)
     cfg, m = drafter.cfg, int(tables["cand_ids"].shape[-1])
     torch.manual_seed(args.seed)
     head = MarkovHead(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1, args.rank, m)
@@ -449,8 +449,8 @@ def cmd_markov_fit(args) -> int:
                    tree_tau(held, budgets, head, embed, drafter.to_target_ids), budgets)
     with replacing_dir(out) as tmp:
         drafter.save(tmp, torch.bfloat16)
-        if (Path(args.draft or SHIPPED_DRAFTER) / "README.md").is_file():
-            shutil.copy(Path(args.draft or SHIPPED_DRAFTER) / "README.md", tmp / "README.md")
+        if (source / "README.md").is_file():
+            shutil.copy(source / "README.md", tmp / "README.md")
     print(f"markov-fit: drafter with its head written to {out}. Other engines (vLLM, SGLang) load it as the plain "
           f"drafter: they read neither config.json's {MARKOV_KEY!r} nor the markov.* tensors (`quantize "
           "--drop-markov` writes a copy without them)")
