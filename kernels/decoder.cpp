@@ -97,7 +97,9 @@ struct Linear {
   enum Kind { F32 = 1, Q4_1 = 2, Q8_0 = 3, BF16 = 4, F32P = 5, Q4_1_I8 = 6, Q8_0_I8 = 7 };
   int kind = 0;
   torch::Tensor a, b;  // F32: weight [N, K], its transpose [K, N] or undefined; Q4_1: spans; Q8_0: qs, d;
-                       // BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows)
+                       // BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows);
+                       // Q4_1_I8, Q8_0_I8: the records of int8_linear.cpp's pack_q4_1 / pack_q8_0, for n outputs
+  int64_t n = 0;
   torch::Tensor bias;
   // The same weight in GGUF blocks that dequantize to it exactly (ddtree/cpu/stack.py: a float target loaded
   // from a GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
@@ -114,9 +116,9 @@ struct Linear {
     } else if (kind == Q8_0) {
       y = q8_0_linear(x, a, b);
     } else if (kind == Q4_1_I8) {
-      y = ddtree_int8::q4_1_linear(x, a);
+      y = ddtree_int8::q4_1_linear(x, a, n);
     } else if (kind == Q8_0_I8) {
-      y = ddtree_int8::q8_0_linear(x, a, b);
+      y = ddtree_int8::q8_0_linear(x, a, n);
     } else if (kind == BF16) {
       y = bf16_linear(x, a);
     } else if (gemv) {
@@ -145,11 +147,12 @@ class Stack {
   }
 
   int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b,
-                     c10::optional<torch::Tensor> bias) {
+                     c10::optional<torch::Tensor> bias, int64_t n) {
     TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::Q8_0_I8, "unknown linear kind ", kind);
     Linear l;
     l.kind = int(kind);
     l.a = a;
+    l.n = n;
     if (b) l.b = *b;
     if (bias) l.bias = *bias;
     linears.push_back(l);
@@ -628,7 +631,9 @@ void bind_decoder(pybind11::module& mod) {
   pybind11::class_<Stack>(mod, "DecoderStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
            "intermediate, rms_norm_eps")
-      .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16, 5 packed f32, 6 Q4_1 int8 activations, 7 Q8_0 int8 activations), tensors, bias -> its index")
+      .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16, 5 packed f32, 6 Q4_1 int8 "
+           "activations, 7 Q8_0 int8 activations), tensors, bias, outputs (the int8 kinds' packed records) -> its "
+           "index")
       .def("add_blocks", &Stack::add_blocks, "of, exact, max_rows: linear `exact` (GGUF blocks equal to linear `of`) "
            "runs `of`'s passes of up to max_rows rows")
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")

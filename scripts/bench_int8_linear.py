@@ -3,6 +3,7 @@ SmolLM2-135M's layer set, all Q4_1: per layer qkv [960, 576], o [576, 576], gate
 a "stack" is 30 such layers (~66 MB of weights, more than a typical L3, so a pass streams them from DRAM).
 
     PYTHONPATH=. python scripts/bench_int8_linear.py [--threads 2] [--reps 15] [--rows 1,2,3,5,9,17]
+        [--int8-isas avx2,avxvnni]
 
 Prints the machine (lscpu), ms per stack pass for each row count M, and each kernel's ratio to its 1-row pass.
 Weights are random spans (the timing does not depend on the values).
@@ -62,16 +63,22 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,2,3,5,9,17")
+    ap.add_argument("--int8-isas", default="", help="other builds of the int8 kernel to time beside it, comma "
+                    "separated (ddtree.cpu.int8.ISA_FLAGS: avx2, avxvnni, avx512vnni; the CPU must have them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     gen = torch.Generator().manual_seed(0)
     layers = [{name: random_q4_1(n, k, gen) for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
     mb = sum(w.qs.numel() * 4 for layer in layers for w in layer.values()) / 1e6
-    kernels = {
-        "int8 (ddtree.cpu.int8)": lambda x, w: int8.kernel().q4_1_linear(x, w.qs),
-        "float (qlinear.q4_1_linear)": lambda x, w: qlinear.kernel().q4_1_linear(x, w.qs),
-    }
+    for layer in layers:  # the int8 kernel's records, made once (as a load does)
+        for w in layer.values():
+            w.int8_records()
+    kernels = {f"int8 {int8.kernel().isa} (decoding's)": lambda x, w: int8.linear_with(int8.kernel(), x, w)}
+    for isa in args.int8_isas.split(",") if args.int8_isas else ():
+        module = int8.build(isa)
+        kernels[f"int8 {isa} build"] = lambda x, w, module=module: int8.linear_with(module, x, w)
+    kernels["float (qlinear.q4_1_linear)"] = lambda x, w: qlinear.kernel().q4_1_linear(x, w.qs)
     print(f"machine: {machine()}")
     print(f"torch {torch.__version__}, {args.threads} threads, int8 build {int8.kernel().isa}, "
           f"qlinear build {qlinear.resolve_cpu_kernel()}; stack: {LAYERS} x (qkv, o, gate_up, down) Q4_1, {mb:.1f} MB")
@@ -82,8 +89,12 @@ def main():
     for rep in range(args.reps + 1):
         for name, fn in kernels.items():
             for m in rows:
+                # untimed passes first: the kernels read different copies of the weights, and after another
+                # kernel's passes a large L3 (which decoding's passes run from) takes a few passes to hold them again
+                for _ in range(3):
+                    stack_pass(fn, layers, xs[m])
                 t = stack_pass(fn, layers, xs[m])
-                if rep:  # the first pass warms up
+                if rep:
                     times[name][m].append(t)
     for stat in ("min", "median"):
         results = {name: {m: (min if stat == "min" else statistics.median)(ts) for m, ts in per.items()}
@@ -92,14 +103,14 @@ def main():
 
 
 def report(results, rows, stat):
-    header = f"{'kernel':30s}" + "".join(f"{'M=' + str(m):>10s}" for m in rows)
+    header = f"{'kernel':34s}" + "".join(f"{'M=' + str(m):>10s}" for m in rows)
     print(f"\nms per stack pass ({stat})\n" + header)
     for name, per in results.items():
-        print(f"{name:30s}" + "".join(f"{per[m]:10.2f}" for m in rows))
+        print(f"{name:34s}" + "".join(f"{per[m]:10.2f}" for m in rows))
     print(f"\nratio to the 1-row pass ({stat})\n" + header)
     for name, per in results.items():
         base = per[rows[0]]
-        print(f"{name:30s}" + "".join(f"{per[m] / base:10.2f}" for m in rows))
+        print(f"{name:34s}" + "".join(f"{per[m] / base:10.2f}" for m in rows))
 
 
 if __name__ == "__main__":

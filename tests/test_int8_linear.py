@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.cpu import int8
-from ddtree.cpu.qlinear import QWeight
+from ddtree.cpu.qlinear import QWeight, cpu_flags
 
 # SmolLM2-135M's projections (N, K): qkv fused, o, gate/up fused, down; and odd N
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (67, 576), (1, 64), (5, 128)]
@@ -97,6 +97,33 @@ def test_q8_0_extreme_values():
     assert y[0, 0].item() == pytest.approx(128 * 64.0, rel=1e-6)  # w = -64, x = -1: qx = -127 with dx = 1 / 127
 
 
+def test_records_layout():
+    """The repacked records: 16 outputs per record, chunk c holds weights 4c..4c+3 (low nibbles) and 16+4c.. (high)
+    of each output side by side; outputs past N are zero; Q8_0 records carry d and 128 * sum q."""
+    gen = torch.Generator().manual_seed(2)
+    w = QWeight.quantize(torch.randn(20, 64, generator=gen), "Q4_1")
+    rec = w.int8_records()
+    assert rec.shape == (2, 2, 320) and rec.dtype == torch.uint8
+    q = int8.weight_ints(w).long()  # [20, 64]
+    nibbles = rec[:, :, :256].view(2, 2, 4, 16, 4).long()  # [group, block, chunk, output, byte]
+    for n in (0, 7, 19):
+        g, o = divmod(n, 16)
+        for b in range(2):
+            for c in range(4):
+                assert (nibbles[g, b, c, o] & 15).tolist() == q[n, 32 * b + 4 * c:32 * b + 4 * c + 4].tolist()
+                assert (nibbles[g, b, c, o] >> 4).tolist() == q[n, 32 * b + 16 + 4 * c:32 * b + 20 + 4 * c].tolist()
+    assert not rec[1, :, :256].view(2, 4, 16, 4)[:, :, 4:].any()  # outputs 20..31
+    d, m = w.scales()
+    scales = rec[:, :, 256:].contiguous().view(torch.float16).float().view(2, 2, 2, 16)  # [group, block, d|m, o]
+    assert torch.equal(scales[0, :, 0].T, d[:16]) and torch.equal(scales[1, :, 1, :4].T, m[16:])
+    w8 = QWeight.quantize(torch.randn(3, 32, generator=gen), "Q8_0")
+    rec8 = w8.int8_records()
+    assert rec8.shape == (1, 1, 640)
+    assert torch.equal(rec8[0, 0, :512].view(torch.int8).view(8, 16, 4)[:, :3].permute(1, 0, 2).reshape(3, 32), w8.qs)
+    assert torch.equal(rec8[0, 0, 512:576].contiguous().view(torch.float32)[:3], w8.d[:, 0])
+    assert rec8[0, 0, 576:].contiguous().view(torch.int32)[:3].tolist() == (128 * w8.qs.long().sum(1)).tolist()
+
+
 # --- (c) row invariance -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_does_not_depend_on_the_pass_or_the_threads(weights, kind):
@@ -130,23 +157,27 @@ def test_close_to_the_float_product(weights, kind, n, k):
     assert 1e-3 < error < 1e-2, error
 
 
-# --- the VNNI code paths ---------------------------------------------------------------------------------------
-@pytest.mark.slow  # a second build of the extension (cached after the first run)
-def test_vnni_code_paths_give_the_same_bits(weights):
-    """The VNNI build's loops (dpbusd in place of maddubs + madd), run here with dpbusd emulated: the same bits as the
-    AVX2 build. (A real avx512vnni / avxvnni build runs the same code with the instruction.)"""
-    emulated = int8.build("vnni-emulated")
-    assert emulated.vnni and emulated.isa == "vnni-emulated"
+# --- the other builds ---------------------------------------------------------------------------------------------
+def _builds_here() -> list[str]:
+    """The kernel's builds this CPU runs besides decoding's: AVX2 (8 lanes, maddubs), the VNNI code paths with dpbusd
+    emulated exactly (8 lanes; the Q8_0 offset path included), and the real VNNI builds where the CPU has them."""
+    flags = cpu_flags()
+    return (["avx2", "vnni-emulated"] + (["avxvnni"] if "avx_vnni" in flags else [])
+            + (["avx512vnni"] if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags else []))
+
+
+@pytest.mark.slow  # a build of the kernel per instruction set (cached after the first run)
+@pytest.mark.parametrize("isa", _builds_here())
+def test_every_build_gives_the_same_bits(weights, isa):
+    """Every build's loops (8 or 16 lanes, dpbusd or maddubs + madd) give the reference's bits."""
+    module = int8.build(isa)
+    assert module.isa == isa and module.vnni == (isa != "avx2")
     for kind in KINDS:
-        w = weights(kind, 67, 576)
-        for m in (1, 3, 8, 9, 17):
-            x = activations(m, 576, seed=m)
-            want = int8.int8_linear(x, w)
-            if kind == "Q4_1":
-                got = emulated.q4_1_linear(x, w.qs)
-            else:
-                got = emulated.q8_0_linear(x, w.qs, w.d)
-            assert torch.equal(got, want), (kind, m)
+        for n, k in ((67, 576), (576, 1536)):
+            w = weights(kind, n, k)
+            for m in (1, 3, 4, 5, 8, 9, 17):
+                x = activations(m, k, seed=m)
+                assert torch.equal(int8.linear_with(module, x, w), int8.int8_linear_reference(x, w)), (kind, n, m)
 
 
 # --- (e) errors -------------------------------------------------------------------------------------------------
@@ -166,10 +197,15 @@ def test_clear_errors(weights):
     with pytest.raises(ValueError, match="multiple of 32"):
         int8.quantize_rows(torch.randn(2, 48))
     # the extension checks its arguments too
+    records = w.int8_records()
     with pytest.raises(RuntimeError, match="Q4_1 spans"):
-        int8.kernel().q4_1_linear(x, w.qs[:, :9].contiguous())
+        int8.kernel().pack_q4_1(w.qs[:, :9].contiguous())
     with pytest.raises(RuntimeError, match="Q8_0 scales"):
-        int8.kernel().q8_0_linear(x, torch.zeros(4, 576, dtype=torch.int8), torch.ones(4, 9, dtype=torch.float64))
+        int8.kernel().pack_q8_0(torch.zeros(4, 576, dtype=torch.int8), torch.ones(4, 9, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="float32"):
-        int8.kernel().q4_1_linear(x.t(), w.qs)
+        int8.kernel().q4_1_linear(x.t(), records, 67)
+    with pytest.raises(RuntimeError, match="pack_q8_0"):  # Q4_1 records handed to the Q8_0 product
+        int8.kernel().q8_0_linear(x, records, 67)
+    with pytest.raises(RuntimeError, match="groups of 16"):  # 5 groups hold 65..80 outputs
+        int8.kernel().q4_1_linear(x, records, 81)
     assert int8.int8_linear(torch.zeros(0, 576), w).shape == (0, 67)

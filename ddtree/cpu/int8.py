@@ -56,7 +56,9 @@ def kernel() -> SimpleNamespace:
     with VNNI where its AVX-512 build finds the CPU has it), under the names of a module of its own."""
     main = qlinear.kernel()
     return SimpleNamespace(q4_1_linear=main.int8_q4_1_linear, q8_0_linear=main.int8_q8_0_linear,
-                           quantize_rows=main.int8_quantize_rows, vnni=main.int8_vnni, isa=main.int8_isa)
+                           pack_q4_1=main.int8_pack_q4_1, pack_q8_0=main.int8_pack_q8_0,
+                           quantize_rows=main.int8_quantize_rows, vnni=main.int8_vnni, isa=main.int8_isa,
+                           lanes=main.int8_lanes)
 
 
 def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> torch.Tensor:
@@ -90,9 +92,13 @@ def int8_linear(x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
     """y [M, N] float32 = x [M, K] float32 @ W^T with int8 activations (llama.cpp's arithmetic, see the module)."""
     _, k = _check_weight(qweight)
     x = _check_x(x, k)
-    if qweight.kind == "Q4_1":
-        return kernel().q4_1_linear(x, qweight.qs.contiguous())
-    return kernel().q8_0_linear(x, qweight.qs.contiguous(), qweight.d.contiguous())
+    return linear_with(kernel(), x, qweight)
+
+
+def linear_with(module, x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
+    """int8_linear through `module`: kernel() or a build(isa) (whose layout of the records is the same)."""
+    linear = module.q4_1_linear if qweight.kind == "Q4_1" else module.q8_0_linear
+    return linear(x, qweight.int8_records(), qweight.shape[0])
 
 
 # --- the reference: the same arithmetic in plain torch ------------------------------------------------------------

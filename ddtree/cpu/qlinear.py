@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +215,8 @@ class QWeight:
     qs: torch.Tensor
     d: torch.Tensor | None = None
     int8: bool = False  # products with the activations quantized to int8 per block (llama.cpp's; kernels/int8_linear.cpp)
+    # the same blocks in int8_linear.cpp's layout (int8_records(): made on first use, then kept)
+    _records: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         check_kind(self.kind)
@@ -280,6 +282,14 @@ class QWeight:
             return (q * d[..., None] + m[..., None]).reshape(n, k)
         return (self.qs.view(n, k // BLOCK, BLOCK).float() * d[..., None]).reshape(n, k)
 
+    def int8_records(self) -> torch.Tensor:
+        """The blocks repacked for the int8-activation kernel (kernels/int8_linear.cpp: per 16 outputs and block of
+        32, one record; uint8 [ceil(N / 16), K / 32, 320 (Q4_1) or 640 (Q8_0)]), made once and kept."""
+        if self._records is None:
+            self._records = (kernel().int8_pack_q4_1(self.qs.contiguous()) if self.kind == "Q4_1"
+                             else kernel().int8_pack_q8_0(self.qs.contiguous(), self.d.contiguous()))
+        return self._records
+
     def rows(self, start: int, stop: int) -> "QWeight":
         """Output rows [start, stop): views, no copy."""
         return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop], self.int8)
@@ -302,8 +312,8 @@ class QWeight:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         if self.int8:  # every width: the arithmetic is the kernel's (no float equivalent to fall back on)
-            y = (kernel().int8_q4_1_linear(x2.contiguous(), self.qs) if self.kind == "Q4_1"
-                 else kernel().int8_q8_0_linear(x2.contiguous(), self.qs, self.d))
+            linear = kernel().int8_q4_1_linear if self.kind == "Q4_1" else kernel().int8_q8_0_linear
+            y = linear(x2.contiguous(), self.int8_records(), self.shape[0])
         elif x2.shape[0] > KERNEL_MAX_ROWS:
             y = F.linear(x2, self.dequantize())
         elif self.kind == "Q4_1":

@@ -192,10 +192,11 @@ def _coverable(weight) -> bool:
 def _add(stack, weight, weight_t, bias, pack: bool) -> int:
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(weight, qlinear.QWeight):
-        kinds = INT8_KINDS if weight.int8 else QUANT_KINDS
-        return stack.add_linear(kinds[weight.kind], weight.qs, weight.d, bias)
+        if weight.int8:
+            return stack.add_linear(INT8_KINDS[weight.kind], weight.int8_records(), None, bias, weight.shape[0])
+        return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, bias, 0)
     if weight.dtype == torch.bfloat16:
-        return stack.add_linear(BF16, weight, None, bias)
+        return stack.add_linear(BF16, weight, None, bias, 0)
     if pack and weight.shape[0] % 4 == 0:  # the kernel at every width, one row on one thread included
-        return stack.add_linear(F32P, qlinear.pack_rows(weight), None, bias)
-    return stack.add_linear(F32, weight.detach(), weight_t, bias)
+        return stack.add_linear(F32P, qlinear.pack_rows(weight), None, bias, 0)
+    return stack.add_linear(F32, weight.detach(), weight_t, bias, 0)
