@@ -110,6 +110,29 @@ def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp
             torch.testing.assert_close(logits(q, [1, 2, 3, 4], extra), a, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float-activations", "int8-activations"])
+def test_verify_reads_the_quantized_heads_rows_lazily_where_that_is_cheaper(int8, tmp_path):
+    """A head with float activations (compute-bound at several rows) reads a walk's rows lazily from 2 nodes; one
+    with int8 activations, whose extra rows cost little next to streaming the weight once, reads all rows at once
+    up to INT8_HEAD_ALL_ROWS. Either way a row's logits are the same bits (a row never depends on the others)."""
+    from ddtree.attention import Visibility
+    from ddtree.cpu.runtime import INT8_HEAD_ALL_ROWS
+    from ddtree.tree import ancestor_matrix, chain_parents
+
+    target = quantized("llama", tmp_path, int8=int8)
+    limit = INT8_HEAD_ALL_ROWS[bool(target.kernel.int8_vnni)] if int8 else 1
+    assert [target.lazy_logits(n) for n in (1, 2, limit, limit + 1)] == [False, limit == 1, False, True]
+    tokens = torch.tensor([5, 17, 40, 2, 9, 33])
+    cache = target.new_cache(16)
+    target(tokens[:2], torch.arange(2), cache, Visibility.causal(0, 2, tokens.device))
+    cache.commit(2)
+    parents, depths = chain_parents(4)
+    vis = Visibility(2, torch.from_numpy(ancestor_matrix(parents, depths)))
+    lazy = target(tokens[2:], torch.arange(2, 6), cache, vis, row_logits=True).logits
+    full = target(tokens[2:], torch.arange(2, 6), cache, vis).logits
+    assert torch.equal(torch.cat([lazy[i:i + 1] for i in range(4)]), full)
+
+
 def test_load_names_the_quant_modes(tmp_path):
     import ddtree
 

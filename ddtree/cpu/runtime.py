@@ -32,6 +32,10 @@ from .weights_watch import STALE, WeightsWatch
 
 # float32, one thread: from this many verified nodes, RowLogits (only the rows a walk reads) beat all rows at once
 ROW_LOGITS_MIN_ROWS = 12
+# An int8-activation head (quant='gguf-int8') reads its weight once for all rows, and each row beyond the first adds
+# little (VNNI) or a fifth of a 1-row pass (AVX2's maddubs): up to this many rows, all at once cost less than the
+# ~2 one-row passes of a walk reading lazily (docs/cpu-speed.md), keyed by the kernel's VNNI
+INT8_HEAD_ALL_ROWS = {True: 16, False: 6}
 # The LM head's 1-row transpose costs its memory again: kept for float32 models up to this many parameters.
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 
@@ -177,14 +181,17 @@ class CPUTarget(RuntimeWrapper):
         """Should a verify of `rows` nodes return RowLogits? A walk reads about tau rows, each a 1-row head pass
         that streams the [V, H] head, where all rows at once take the row kernel in one pass over it. On two threads
         the kernel splits the head while torch's 1-row GEMV does not, so all rows at once win; on one thread lazy
-        rows win from ROW_LOGITS_MIN_ROWS nodes (docs/cpu-speed.md). A quantized head (compute-bound at several
-        rows) always reads lazily. A head with exact blocks takes them for up to head_max_rows() rows at once, so
-        it reads rows lazily only above that."""
+        rows win from ROW_LOGITS_MIN_ROWS nodes (docs/cpu-speed.md). A quantized head with float activations
+        (compute-bound at several rows) always reads lazily; one with int8 activations above INT8_HEAD_ALL_ROWS
+        rows. A head with exact blocks takes them for up to head_max_rows() rows at once, so it reads rows lazily
+        only above that."""
         head = self.head
         if not self.row_logits or rows < 2:
             return False
         if head.blocks is not None:
             return rows > head.block_rows
+        if isinstance(head.weight, qlinear.QWeight) and head.weight.int8:
+            return rows > INT8_HEAD_ALL_ROWS[bool(self.kernel.int8_vnni)]
         return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
 
     @property
