@@ -65,6 +65,9 @@ constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead in the weight stream 
 #elif defined(DDTREE_EMULATE_VNNI)
 #define DDTREE_VNNI 1
 #define DDTREE_ISA "vnni-emulated"
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#define DDTREE_VNNI 0
+#define DDTREE_ISA "avx512"
 #else
 #define DDTREE_VNNI 0
 #define DDTREE_ISA "avx2"
@@ -249,11 +252,12 @@ struct Q8_0 {
   static constexpr bool OFFSET = DDTREE_VNNI;  // x is read as qx + 128
   struct W {
     VI q[8];  // VNNI: q (s8); else |q| (u8)
-#if !DDTREE_VNNI
+#if DDTREE_VNNI
+    VI offset;  // 128 * sum q
+#else
     VI s[8];  // q, whose sign goes onto qx
 #endif
-    VF d, m;
-    VI offset;  // VNNI: 128 * sum q
+    VF d;
   };
   static inline void prepare(const uint8_t* rec, int h, W& w) {
     for (int j = 0; j < 8; ++j) {
@@ -266,8 +270,9 @@ struct Q8_0 {
 #endif
     }
     w.d = loadf(rec + 512 + 4 * L * h);
-    w.m = zerof();
+#if DDTREE_VNNI
     w.offset = loadi(rec + 576 + 4 * L * h);
+#endif
   }
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
@@ -305,7 +310,7 @@ void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t 
       const int64_t r = r0 + i;
       const VF isum = tofloat(Q::isum(w, x.dwords(r, b)));  // exact: |isum| < 2^24
       VF term = mulf(mulf(w.d, bcastf(x.dx[r * KB + b])), isum);
-      if (Q::HAS_M) term = addf(term, mulf(w.m, bcastf(x.sx[r * KB + b])));
+      if constexpr (Q::HAS_M) term = addf(term, mulf(w.m, bcastf(x.sx[r * KB + b])));
       acc[i] = addf(acc[i], term);
     }
   }

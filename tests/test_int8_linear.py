@@ -160,10 +160,12 @@ def test_close_to_the_float_product(weights, kind, n, k):
 # --- the other builds ---------------------------------------------------------------------------------------------
 def _builds_here() -> list[str]:
     """The kernel's builds this CPU runs besides decoding's: AVX2 (8 lanes, maddubs), the VNNI code paths with dpbusd
-    emulated exactly (8 lanes; the Q8_0 offset path included), and the real VNNI builds where the CPU has them."""
+    emulated exactly (8 lanes; the Q8_0 offset path included), and the AVX-512 (16 lanes, maddubs) and real VNNI
+    builds where the CPU has them."""
     flags = cpu_flags()
-    return (["avx2", "vnni-emulated"] + (["avxvnni"] if "avx_vnni" in flags else [])
-            + (["avx512vnni"] if {"avx512_vnni", "avx512bw", "avx512vl"} <= flags else []))
+    avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    return (["avx2", "vnni-emulated"] + (["avxvnni"] if "avx_vnni" in flags else []) + (["avx512"] if avx512 else [])
+            + (["avx512vnni"] if avx512 and "avx512_vnni" in flags else []))
 
 
 @pytest.mark.slow  # a build of the kernel per instruction set (cached after the first run)
@@ -171,7 +173,7 @@ def _builds_here() -> list[str]:
 def test_every_build_gives_the_same_bits(weights, isa):
     """Every build's loops (8 or 16 lanes, dpbusd or maddubs + madd) give the reference's bits."""
     module = int8.build(isa)
-    assert module.isa == isa and module.vnni == (isa != "avx2")
+    assert module.isa == isa and module.vnni == (isa not in ("avx2", "avx512"))
     for kind in KINDS:
         for n, k in ((67, 576), (576, 1536)):
             w = weights(kind, n, k)

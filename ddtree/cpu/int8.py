@@ -24,16 +24,21 @@ from ..kernels import SOURCE_DIR
 from . import qlinear
 from .qlinear import BLOCK, SPAN_WORDS, QWeight, compile_extension
 
-# Builds of kernels/int8_linear.cpp as a module of its own, to compare instruction sets: avx2 (maddubs + madd),
-# avx512vnni and avxvnni (one dpbusd per 32 products), and vnni-emulated (the VNNI code paths with maddubs + madd in
-# dpbusd's place: tests them on AVX2 machines). All give the same bits: the integer sums are exact and the float
-# operations are the same. Decoding uses the copy compiled into the CPU extension (kernel()).
+# Builds of kernels/int8_linear.cpp as a module of its own, to compare instruction sets: avx2 (8 lanes, maddubs +
+# madd), avx512 (16 lanes, maddubs + madd), avx512vnni (16 lanes) and avxvnni (8) with one dpbusd per 4 products,
+# and vnni-emulated (the VNNI code paths with an exact emulation of dpbusd: tests them on AVX2 machines). All give
+# the same bits: the integer sums are exact and the float operations are the same. Decoding uses the copy compiled
+# into the CPU extension (kernel()).
 ISA_FLAGS = {
     "avx2": [],
+    "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw"],
     "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
     "avxvnni": ["-mavxvnni"],
     "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
 }
+# the CPU flags (/proc/cpuinfo) a build's instructions need beyond AVX2
+_AVX512 = {"avx512f", "avx512bw", "avx512vl"}
+ISA_NEEDS = {"avx512": _AVX512, "avx512vnni": _AVX512 | {"avx512_vnni"}, "avxvnni": {"avx_vnni"}}
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DDDTREE_INT8_MODULE"]
 
 
@@ -45,6 +50,9 @@ def build(isa: str = "avx2"):
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         raise ConfigError(f"the int8-activation kernel needs an x86 CPU with AVX2 (torch reports {capability!r})")
+    missing = ISA_NEEDS.get(isa, set()) - qlinear.cpu_flags()
+    if missing and qlinear.cpu_flags():  # its code would stop the process with an illegal instruction
+        raise ConfigError(f"the {isa} build of the int8 kernel needs CPU flags this CPU lacks: {', '.join(sorted(missing))}")
     name = "ddtree_int8" + ("" if isa == "avx2" else "_" + isa.replace("-", "_"))
     return compile_extension(name, [SOURCE_DIR / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
                              f"the int8-activation CPU kernel for {isa}")
