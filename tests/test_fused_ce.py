@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ddtree.train.fused_ce import head_cross_entropy
+from ddtree.train.fused_ce import head_acceptance_loss, head_cross_entropy, merge_duplicate_ids
 
 torch.set_num_threads(1)
 
@@ -30,3 +30,38 @@ def test_head_cross_entropy_matches_unfused(dtype, spread):
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the softmax is rounded to bf16 before @ weight
     torch.testing.assert_close(fused_grad, hidden.grad, rtol=tol, atol=tol * fused_grad.abs().max().item())
     assert fused_grad.abs().max() > 1e-3
+
+
+def test_head_acceptance_loss_matches_unfused():
+    """The chunked total-variation loss 1 - sum min(p, q) gives the unfused value, top-1 hits and input gradient
+    (autograd through an explicit softmax), with rows whose target has zero-weight columns and a row with no
+    weight at all."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 16, generator=gen) / 2
+    hidden = torch.randn(40, 16, generator=gen, requires_grad=True)
+    idx = torch.stack([torch.randperm(200, generator=gen)[:6] for _ in range(40)])  # distinct ids per row
+    w = torch.rand(40, 6, generator=gen) ** 3
+    w[:, 4:] = 0  # padding columns
+    w = w / w.sum(-1, keepdim=True)
+    w[3] = 0  # a row whose label is outside the draft vocabulary and no teacher
+    labels = idx[:, 0].clone()
+    row_w = torch.rand(40, generator=gen)
+    tv, hit = head_acceptance_loss(hidden, weight, idx, w, labels, chunk=7)
+    (tv * row_w).sum().backward()
+    fused_grad, hidden.grad = hidden.grad.clone(), None
+    logits = hidden @ weight.T
+    q = logits.softmax(-1).gather(1, idx)
+    ref = w.sum(-1) - torch.minimum(q, w).sum(-1)
+    (ref * row_w).sum().backward()
+    torch.testing.assert_close(tv, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert tv[3] == 0 and (tv[torch.arange(40) != 3] > 0).all() and (tv <= 1).all()
+    assert hit.tolist() == (logits.argmax(-1) == labels).tolist()
+    torch.testing.assert_close(fused_grad, hidden.grad, rtol=1e-5, atol=1e-6)
+    assert fused_grad.abs().max() > 1e-3 and not fused_grad[3].any()
+
+
+def test_merge_duplicate_ids_keeps_one_total_per_id():
+    idx = torch.tensor([[5, 5, 7, 2, 7], [1, 2, 3, 4, 1]])
+    w = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.0, 0.25]])
+    merged = merge_duplicate_ids(idx, w)
+    torch.testing.assert_close(merged, torch.tensor([[0.7, 0.0, 0.2, 0.1, 0.0], [0.5, 0.25, 0.25, 0.0, 0.0]]))

@@ -118,6 +118,43 @@ def test_packed_pass_equals_the_sum_of_single_sequence_passes(distill, vocab):
             torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["hard", "distill-vocab"])
+def test_objectives_ce_tv_and_their_sum(distill, vocab):
+    """objective="tv" is the mean rejection probability 1 - sum min(p, q) (in [0, 1]; with hard labels
+    1 - q(label)); "ce+tv" is exactly the sum of the two losses; each trains the drafter; a bad name is refused."""
+    import torch.nn.functional as F
+    from ddtree.train.model import DraftLoss, block_inputs, draft_head, drafter_block_hidden
+
+    target = random_target("llama", seed=11)
+    drafter = new_drafter(target, vocab)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, target.cfg.vocab_size, (29,), generator=gen)
+    feats, teacher = target_features(target, tokens, drafter.cfg.target_layer_ids, topk=4)
+    anchors = sample_anchors(5, 29, 6, gen)
+    losses = {}
+    for objective in ("ce", "tv", "ce+tv"):
+        drafter.zero_grad(set_to_none=True)
+        loss, _ = DraftLoss(drafter, target, distill=distill, objective=objective)(
+            tokens, feats, anchors, teacher=teacher if distill else None)
+        loss.backward()
+        assert any(p.grad is not None and p.grad.abs().max() > 0 for p in drafter.parameters()), objective
+        losses[objective] = loss.item()
+    assert 0 < losses["tv"] < 1 < losses["ce"]
+    assert losses["ce+tv"] == pytest.approx(losses["ce"] + losses["tv"], rel=1e-5)
+    if distill == 0:  # hard labels: the weighted mean of 1 - q(label) over the labels
+        loss_model = DraftLoss(drafter, target)
+        block, positions, labels = block_inputs(tokens, anchors, drafter.cfg.block_size, drafter.cfg.mask_token_id)
+        with torch.no_grad():
+            hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
+            q = F.softmax(hidden[:, 1:] @ draft_head(drafter, target).T, -1)
+        valid = labels >= 0
+        pw = loss_model.weights[None, :].expand_as(labels)[valid]
+        q_label = q[valid].gather(1, labels[valid][:, None])[:, 0]
+        assert losses["tv"] == pytest.approx(((1 - q_label) * pw).sum().item() / pw.sum().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="objective"):
+        DraftLoss(drafter, target, objective="kl")
+
+
 def test_packed_training_matches_one_pass_per_sequence(tiny_data, tmp_path):
     target, data = tiny_data
     train = read_sequences(data, "train")[:12]

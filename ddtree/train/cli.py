@@ -37,6 +37,7 @@ from .card import model_card
 from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
 from .grow import grow_drafter, layers_from_target
 from .markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
+from .model import OBJECTIVES
 from .probe import probe, tree_tau
 from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
 from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
@@ -542,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--distill", type=float, help="weight of the target's own next-token distribution in the loss, "
                    "0..1 (default 0: hard labels only; 1: pure distillation)")
     f.add_argument("--distill-topk", type=int, help="the teacher distribution is the target's top-k (default 32)")
+    f.add_argument("--objective", choices=OBJECTIVES, help="the loss: ce (cross-entropy; default), tv (total "
+                   "variation to the same target mix: speculative sampling's rejection probability) or ce+tv")
     f.add_argument("--draft-vocab", type=int, help="a reduced draft vocabulary: the N most frequent response tokens "
                    "of the training data (own head from the target's rows, d2t; default: the full vocabulary)")
     f.add_argument("--seed", type=int, help="drafter init, data order and anchors (default 0)")

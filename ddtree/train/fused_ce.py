@@ -17,12 +17,25 @@ CHUNK_ROWS = 256  # [256, 49152] fp32 = 48 MB per block
 EXP_FLOOR = -80.0
 
 
-class _HeadCrossEntropy(torch.autograd.Function):
-    """Soft-target cross-entropy -sum_k w_k log softmax(hidden @ weight.T)[idx_k], per row. Hard CE is one
-    target of weight 1; distillation is the teacher's top-k probabilities (mixed with the hard label)."""
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor):
+    """A chunk's logits hidden [c, H] @ weight.T, not kept: (their values at idx [c, K], logsumexp [c], argmax [c])."""
+    logits = (hidden @ weight.T).float()  # [c, V]
+    chosen = logits.gather(1, idx)
+    top, arg = logits.max(dim=-1)
+    lse = top + logits.sub_(top[:, None]).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_()
+    return chosen, lse, arg
+
+
+class _HeadLoss(torch.autograd.Function):
+    """A per-row loss of q = softmax(hidden @ weight.T) against targets w over ids idx, chunk by chunk:
+    - cross-entropy (tv False): -sum_k w_k log q[idx_k]. Hard CE is one target of weight 1; distillation is the
+      teacher's top-k probabilities (mixed with the hard label).
+    - total variation (tv True): sum_k w_k - sum_k min(w_k, q[idx_k]), ids distinct where w > 0: with w the
+      target's next-token distribution, the probability that a token drawn from q is rejected (speculative
+      sampling's acceptance is one minus it)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, idx, w, labels, chunk):
+    def forward(ctx, hidden, weight, idx, w, labels, chunk, tv):
         # hidden [N, H] (the head's dtype), weight [V, H], idx [N, K], w [N, K] fp32, labels [N]
         #   -> loss [N] fp32, correct [N] bool (argmax == label)
         n = hidden.shape[0]
@@ -30,15 +43,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
         correct = torch.empty(n, dtype=torch.bool, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):
-            logits = (hidden[s:s + chunk] @ weight.T).float()  # [c, V]
-            target_logit = (logits.gather(1, idx[s:s + chunk]) * w[s:s + chunk]).sum(dim=-1)
-            top, arg = logits.max(dim=-1)
-            chunk_lse = top + logits.sub_(top[:, None]).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_()
-            lse[s:s + chunk] = chunk_lse
-            loss[s:s + chunk] = chunk_lse * w[s:s + chunk].sum(dim=-1) - target_logit
-            correct[s:s + chunk] = arg == labels[s:s + chunk]
+            e = min(s + chunk, n)
+            chosen, lse[s:e], arg = _chunk_logits(hidden[s:e], weight, idx[s:e])
+            if tv:
+                q = chosen.sub_(lse[s:e, None]).clamp_(min=EXP_FLOOR).exp_()
+                loss[s:e] = w[s:e].sum(dim=-1) - torch.minimum(q, w[s:e]).sum(dim=-1)
+            else:
+                loss[s:e] = lse[s:e] * w[s:e].sum(dim=-1) - (chosen * w[s:e]).sum(dim=-1)
+            correct[s:e] = arg == labels[s:e]
         ctx.save_for_backward(hidden, weight, idx, w, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.tv = chunk, tv
         ctx.mark_non_differentiable(correct)
         return loss, correct
 
@@ -49,10 +63,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], ctx.chunk):
             e = min(s + ctx.chunk, hidden.shape[0])
             probs = (hidden[s:e] @ weight.T).float().sub_(lse[s:e, None]).clamp_(min=EXP_FLOOR).exp_()  # softmax [c, V]
-            probs.mul_(w[s:e].sum(dim=-1, keepdim=True)).scatter_add_(1, idx[s:e], -w[s:e])  # d loss / d logits
+            if ctx.tv:  # d loss / d logit_j = q_j * sum_{k in A} q_k - [j in A] q_j, A: where q < w (min takes q)
+                q = probs.gather(1, idx[s:e])
+                taken = q * (q < w[s:e])  # [c, K]
+                probs.mul_(taken.sum(dim=-1, keepdim=True)).scatter_add_(1, idx[s:e], -taken)
+            else:  # d loss / d logit_j = q_j * sum_k w_k - sum_k w_k [idx_k == j]
+                probs.mul_(w[s:e].sum(dim=-1, keepdim=True)).scatter_add_(1, idx[s:e], -w[s:e])
             probs.mul_(grad_loss[s:e, None])
             grad_hidden[s:e] = probs.to(weight.dtype) @ weight
-        return grad_hidden, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -70,4 +89,23 @@ def head_soft_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, idx: tor
     own entropy when w holds a distribution), and whether the argmax hits `labels` (-1: never).
     hidden [N, H], weight [V, H] (frozen), idx [N, K] in [0, V), w [N, K] >= 0. Returns (loss [N] fp32,
     correct [N] bool); loss is differentiable with respect to hidden only."""
-    return _HeadCrossEntropy.apply(hidden.to(weight.dtype), weight.detach(), idx, w.float(), labels, chunk)
+    return _HeadLoss.apply(hidden.to(weight.dtype), weight.detach(), idx, w.float(), labels, chunk, False)
+
+
+def merge_duplicate_ids(idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Weights w [N, K] over ids idx [N, K] with each id's total kept at its first column and 0 at its repeats
+    (a hard label is usually also among the teacher's top-k): the distribution head_acceptance_loss needs."""
+    k = idx.shape[1]
+    same = idx[:, :, None] == idx[:, None, :]  # [N, K, K]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=idx.device).tril(-1)  # [k, j]: j < k
+    first = ~(same & earlier).any(dim=-1)
+    return (same * w[:, None, :]).sum(dim=-1) * first
+
+
+def head_acceptance_loss(hidden: torch.Tensor, weight: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                         labels: torch.Tensor, chunk: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row rejection probability sum(w) - sum_k min(w[:, k], softmax(hidden @ weight.T)[idx[:, k]]) (the
+    total-variation distance to the target distribution w; ids repeated within a row must be merged first:
+    merge_duplicate_ids), and whether the argmax hits `labels` (-1: never). Shapes as head_soft_cross_entropy's;
+    differentiable with respect to hidden only."""
+    return _HeadLoss.apply(hidden.to(weight.dtype), weight.detach(), idx, w.float(), labels, chunk, True)

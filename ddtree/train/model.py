@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import Visibility
-from .fused_ce import head_soft_cross_entropy
+from .fused_ce import head_acceptance_loss, head_soft_cross_entropy, merge_duplicate_ids
 
 
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -164,21 +164,29 @@ def draft_head(drafter, target) -> torch.Tensor:
     return drafter.lm_head.weight if drafter.cfg.reduced_vocab else target.lm_head.weight
 
 
+OBJECTIVES = ("ce", "tv", "ce+tv")  # DraftLoss's training objectives
+
+
 class DraftLoss(nn.Module):
     """Wraps the drafter for training (and DistributedDataParallel): forward(one sequence) -> weighted loss.
     The target's embedding and LM head are used frozen; they are not submodules, so no optimizer sees them.
 
-    Loss per label: (1 - distill) * CE(label) + distill * CE(teacher), the teacher being the target's own
-    next-token distribution there (its top-k, renormalized): distill = 0 is the published hard-label recipe,
-    1 is pure distillation (KL to the teacher up to its entropy). With a reduced draft vocabulary the head is
-    the drafter's own (frozen, rows of the target's) and targets outside the draft vocabulary carry no weight
-    (a label outside it counts as a miss in the accuracy)."""
+    Loss per label (objective "ce"): (1 - distill) * CE(label) + distill * CE(teacher), the teacher being the
+    target's own next-token distribution there (its top-k, renormalized): distill = 0 is the published hard-label
+    recipe, 1 is pure distillation (KL to the teacher up to its entropy). "tv": the total-variation distance
+    between the draft's distribution and the same mix p = (1 - distill) onehot(label) + distill teacher, i.e.
+    1 - sum min(p, q), the rejection probability of speculative sampling (with distill = 0: 1 - q(label)).
+    "ce+tv": their sum. With a reduced draft vocabulary the head is the drafter's own (frozen, rows of the
+    target's) and targets outside the draft vocabulary carry no weight (a label outside it counts as a miss in
+    the accuracy)."""
 
-    def __init__(self, drafter, target, gamma: float | None = None, distill: float = 0.0):
+    def __init__(self, drafter, target, gamma: float | None = None, distill: float = 0.0, objective: str = "ce"):
         super().__init__()
         if not 0.0 <= distill <= 1.0:
             raise ValueError(f"distill must be within [0, 1], got {distill}")
-        self.drafter, self.distill = drafter, distill
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+        self.drafter, self.distill, self.objective = drafter, distill, objective
         self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
         b = drafter.cfg.block_size
         self.register_buffer("weights", loss_weights(b, default_gamma(b) if gamma is None else gamma), persistent=False)
@@ -219,7 +227,13 @@ class DraftLoss(nn.Module):
             p = p / p.sum(dim=-1, keepdim=True).clamp(min=1e-12)
             idx, w = torch.cat([idx, ids.clamp(min=0)], dim=1), torch.cat([w, p * self.distill], dim=1)
         # the LM head and the loss in one chunked pass: the [n_valid, V] logits are never kept
-        loss, hit = head_soft_cross_entropy(hidden[:, 1:][valid], self._head(), idx, w, label)
+        h = hidden[:, 1:][valid]
+        if self.objective == "ce":
+            loss, hit = head_soft_cross_entropy(h, self._head(), idx, w, label)
+        else:
+            loss, hit = head_acceptance_loss(h, self._head(), idx, merge_duplicate_ids(idx, w), label)
+            if self.objective == "ce+tv":
+                loss = loss + head_soft_cross_entropy(h, self._head(), idx, w, label)[0]
         pw = self.weights[None, :].expand_as(labels)[valid] * (w.sum(dim=-1) > 0)
         n_seqs = 1 if bounds is None else bounds.numel() - 1
         owner = seq[:, None].expand_as(labels)[valid]  # [n] the sequence of each label

@@ -49,6 +49,7 @@ class TrainConfig:
     gamma: float | None = None  # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8
     distill: float = 0.0  # weight of the target's own distribution in the loss (0 = hard labels only)
     distill_topk: int = 32  # the teacher distribution is the target's top-k, renormalized
+    objective: str = "ce"  # "ce", "tv" (total variation: speculative sampling's rejection) or "ce+tv" (model.DraftLoss)
     seed: int = 0
     bf16: bool = False  # autocast; only worth it on GPUs and CPUs with bf16 units
     # runtime (may change on --resume)
@@ -152,7 +153,7 @@ class Trainer:
         self.rank, self.world = _rank_world()
         if not self.train_seqs:
             raise ValueError("no training sequences")
-        self.loss_model = DraftLoss(drafter, target, cfg.gamma, cfg.distill).to(self.device)
+        self.loss_model = DraftLoss(drafter, target, cfg.gamma, cfg.distill, cfg.objective).to(self.device)
         self.model = self.loss_model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
