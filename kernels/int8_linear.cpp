@@ -406,7 +406,8 @@ torch::Tensor pack_q4_1(torch::Tensor spans) {
       };
       uint8_t* rec = op + ((n / GROUP) * KB + b) * Q4_1_RECORD;
       for (int c = 0; c < 4; ++c)
-        for (int k = 0; k < 4; ++k) rec[64 * c + 4 * o + k] = uint8_t(nibble(4 * c + k) | (nibble(16 + 4 * c + k) << 4));
+        for (int k = 0; k < 4; ++k)
+          rec[64 * c + 4 * o + k] = uint8_t(nibble(4 * c + k) | (nibble(16 + 4 * c + k) << 4));
       uint16_t dm[4];  // fp16 d0 m0 d1 m1
       std::memcpy(dm, span + 8, sizeof(dm));
       std::memcpy(rec + 256 + 2 * o, &dm[2 * (b % 2)], 2);

@@ -182,6 +182,18 @@ def test_every_build_gives_the_same_bits(weights, isa):
                 assert torch.equal(int8.linear_with(module, x, w), int8.int8_linear_reference(x, w)), (kind, n, m)
 
 
+def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
+    """Its code would stop the process with an illegal instruction: refused, naming the missing flags."""
+    from ddtree.config import ConfigError
+    from ddtree.cpu import qlinear
+
+    monkeypatch.setattr(qlinear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
+    with pytest.raises(ConfigError, match="avx512_vnni, avx512bw, avx512f, avx512vl"):
+        int8.build.__wrapped__("avx512vnni")
+    with pytest.raises(ConfigError, match="avx_vnni"):
+        int8.build.__wrapped__("avxvnni")
+
+
 # --- (e) errors -------------------------------------------------------------------------------------------------
 def test_clear_errors(weights):
     w = weights("Q4_1", 67, 576)

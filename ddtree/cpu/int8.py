@@ -52,7 +52,8 @@ def build(isa: str = "avx2"):
         raise ConfigError(f"the int8-activation kernel needs an x86 CPU with AVX2 (torch reports {capability!r})")
     missing = ISA_NEEDS.get(isa, set()) - qlinear.cpu_flags()
     if missing and qlinear.cpu_flags():  # its code would stop the process with an illegal instruction
-        raise ConfigError(f"the {isa} build of the int8 kernel needs CPU flags this CPU lacks: {', '.join(sorted(missing))}")
+        raise ConfigError(f"the {isa} build of the int8 kernel needs CPU flags this CPU lacks: "
+                          f"{', '.join(sorted(missing))}")
     name = "ddtree_int8" + ("" if isa == "avx2" else "_" + isa.replace("-", "_"))
     return compile_extension(name, [SOURCE_DIR / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
                              f"the int8-activation CPU kernel for {isa}")
