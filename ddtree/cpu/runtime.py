@@ -32,9 +32,10 @@ from .weights_watch import STALE, WeightsWatch
 
 # float32, one thread: from this many verified nodes, RowLogits (only the rows a walk reads) beat all rows at once
 ROW_LOGITS_MIN_ROWS = 12
-# An int8-activation head (quant='gguf-int8') reads its weight once for all rows, and each row beyond the first adds
-# little (VNNI) or a fifth of a 1-row pass (AVX2's maddubs): up to this many rows, all at once cost less than the
-# ~2 one-row passes of a walk reading lazily (docs/cpu-speed.md), keyed by the kernel's VNNI
+# An int8-activation head (quant='gguf-int8') streams its weight once for all rows, and a row beyond the first is
+# integer arithmetic on weights already in registers (cheaper with VNNI's dpbusd than with AVX2's maddubs): up to
+# this many rows, all at once cost less than the ~2 one-row passes of a walk reading lazily (measured in
+# docs/cpu-speed.md), keyed by the kernel's VNNI
 INT8_HEAD_ALL_ROWS = {True: 16, False: 6}
 # The LM head's 1-row transpose costs its memory again: kept for float32 models up to this many parameters.
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
