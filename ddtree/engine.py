@@ -42,14 +42,13 @@ def tree_nodes(drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int
     logprobs' device): from the drafter's per-position marginals, through its CPU runtime's kernel where it has
     one (kernels/tree.cpp: the same nodes in one call), or, when it has a Markov head (ddtree/markov.py), from
     each node's own conditional."""
+    kernel = host_kernel(drafter)
     if drafter.markov is not None:
-        parents, depths, ids, scores = head_tree_nodes(drafter, logprobs, bonus, budget)
-    elif (kernel := host_kernel(drafter)) is not None and logprobs.device.type == "cpu" and \
-            logprobs.dtype == torch.float32:
+        return head_tree_nodes(drafter, logprobs, bonus, budget, kernel)
+    if kernel is not None and logprobs.device.type == "cpu" and logprobs.dtype == torch.float32:
         parents, depths, ids, scores = kernel.best_first_tree(logprobs.contiguous(), budget)
         return parents.numpy(), depths.numpy(), ids, scores.numpy()
-    else:
-        parents, depths, ids, scores = best_first_nodes(logprobs, budget)
+    parents, depths, ids, scores = best_first_nodes(logprobs, budget)
     return parents, depths, torch.tensor(ids, dtype=torch.long, device=logprobs.device), scores
 
 
@@ -63,7 +62,7 @@ def tree_tokens(drafter, bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
 
 def chain_ids(drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
     """A linear draft's draft ids: each position's argmax, or with a Markov head, given the token before it."""
-    return argmax(logits) if drafter.markov is None else head_chain_ids(drafter, logits, bonus)
+    return argmax(logits) if drafter.markov is None else head_chain_ids(drafter, logits, bonus, host_kernel(drafter))
 
 
 class Method:

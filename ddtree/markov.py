@@ -44,7 +44,7 @@ class MarkovHead(nn.Module):
         self.proj = nn.Parameter(torch.randn(hidden_size, rank) * hidden_size ** -0.5)  # [H, r]
         self.out = nn.Parameter(torch.zeros(rank, draft_vocab))  # [r, draft vocab]: zero = no bias
         self.scale = nn.Parameter(torch.ones(positions))  # [block_size - 1]
-        self._host = None  # (weights' key, codes, out.T, scales): host_tables' arrays, made on first use
+        self._host = None  # (weights' key, tensors, arrays): host_tensors' (codes, out.T, scales), made on first use
 
     def code(self, parent_emb: torch.Tensor) -> torch.Tensor:
         """Parents' target embeddings [..., H] -> their codes [..., r]."""
@@ -61,17 +61,23 @@ class MarkovHead(nn.Module):
         return torch.cat([torch.zeros_like(self.scale[:1]), self.scale[1:]])
 
     @torch.inference_mode()
-    def host_tables(self, embed, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For tree building on the host (conditional_table): every target token's code [vocab, r] (embed: the
-        target's embedding, called on all ids once), out.T [draft vocab, r] and the per-depth scales [positions]
-        with position 1's zero, as float32 numpy arrays; remade when a weight of the head changes."""
+    def host_tensors(self, embed, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For tree building on the host (conditional_table, the CPU kernel's markov_tree): every target token's code
+        [vocab, r] (embed: the target's embedding, called on all ids once), out.T [draft vocab, r] and the per-depth
+        scales [positions] with position 1's zero, as contiguous float32 CPU tensors; remade when a weight of the
+        head changes."""
         key = tuple((t._version, t.data_ptr()) for t in (self.proj, self.out, self.scale)) + (embed,)
         if self._host is None or self._host[0] != key:
             ids = torch.arange(vocab, device=self.proj.device)
             codes = torch.cat([self.code(embed(ids[i:i + 8192])) for i in range(0, vocab, 8192)])
-            arrays = (codes, self.out.T, self.depth_scales())
-            self._host = (key, *(t.float().cpu().contiguous().numpy() for t in arrays))
-        return self._host[1:]
+            tensors = tuple(t.float().cpu().contiguous() for t in (codes, self.out.T, self.depth_scales()))
+            self._host = (key, tensors, tuple(t.numpy() for t in tensors))
+        return self._host[1]
+
+    def host_tables(self, embed, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """host_tensors as numpy arrays (the same memory)."""
+        self.host_tensors(embed, vocab)
+        return self._host[2]
 
 
 def conditional_logprobs(head: MarkovHead, cand_lp: torch.Tensor, cand_ids: torch.Tensor, codes: torch.Tensor,
@@ -91,10 +97,11 @@ def conditional_logprobs(head: MarkovHead, cand_lp: torch.Tensor, cand_ids: torc
 def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """For a block's log-probs [D, V] (positions 1..D) and the root's target id: per depth d the candidates' draft
-    ids [D, M] and the conditionals cond [D, M, M]: row p of depth d is cond(. | candidate p of depth d - 1) over
-    depth d's candidates; at depth 0 every row is cond(. | root) (one shape at every depth: one batched matmul).
-    conditional_logprobs' arithmetic in numpy on the host: a few [D, M, M] operations, where torch's per-op
-    overhead would be most of the time (tests/test_markov.py holds the two equal)."""
+    ids [D, M] and the conditionals cond [D, M, M] (float64): row p of depth d is cond(. | candidate p of depth d - 1)
+    over depth d's candidates; at depth 0 every row is cond(. | root) (one shape at every depth: one batched matmul).
+    conditional_logprobs' arithmetic in numpy on the host, in double like the CPU kernel's markov_tree (so the two
+    pop the same trees; tests/test_markov.py holds all three equal): a few [D, M, M] operations, where torch's
+    per-op overhead would be most of the time."""
     head = drafter.markov
     d, _ = logprobs.shape
     m = min(m or head.candidates, head.candidates, logprobs.shape[1])  # M: the head's candidates, or fewer
@@ -102,10 +109,12 @@ def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None 
     parents = drafter.to_target_ids(top.indices[:-1])  # [D - 1, M]: depth d's parents are depth d - 1's candidates
     cand_lp, cand_ids, parents = (t.cpu().numpy() for t in (top.values.float(), top.indices, parents))
     codes, out_t, scale = head.host_tables(drafter.target.embed, drafter.cfg.model.vocab_size)
-    z = np.empty((d, m, codes.shape[1]), dtype=np.float32)  # [D, M, r] the parents' codes
+    cand_lp = cand_lp.astype(np.float64)
+    z = np.empty((d, m, codes.shape[1]), dtype=np.float64)  # [D, M, r] the parents' codes
     z[0] = codes[root]
     z[1:] = codes[parents]
-    x = cand_lp[:, None, :] + scale[:d, None, None] * (z @ out_t[cand_ids].transpose(0, 2, 1))  # [D, M, M]
+    w = out_t[cand_ids].astype(np.float64)  # [D, M, r] the candidates' output rows
+    x = cand_lp[:, None, :] + scale[:d, None, None].astype(np.float64) * (z @ w.transpose(0, 2, 1))  # [D, M, M]
     rest = np.maximum(-np.expm1(_logsumexp(cand_lp)), 1e-12)  # [D] the mass outside the candidates
     norm = np.log(rest[:, None] + np.exp(_logsumexp(x)))  # [D, M]
     return cand_ids, x - norm[..., None]
@@ -166,15 +175,34 @@ def conditional_chain(cand_ids: np.ndarray, cond: np.ndarray) -> list[int]:
 SMALL_TREE_CANDIDATES = 8
 
 
-def head_tree_nodes(drafter, logprobs: torch.Tensor, root: torch.Tensor, budget: int):
+def _kernel_args(drafter, logprobs: torch.Tensor, kernel) -> tuple | None:
+    """The head's host tables and d2t for the CPU kernel's markov_tree / markov_chain, or None where it does not
+    apply (no kernel, or logprobs not float32 on the CPU)."""
+    if kernel is None or logprobs.device.type != "cpu" or logprobs.dtype != torch.float32:
+        return None
+    tables = drafter.markov.host_tensors(drafter.target.embed, drafter.cfg.model.vocab_size)
+    return (*tables, drafter.d2t if drafter.cfg.reduced_vocab else None)
+
+
+def head_tree_nodes(drafter, logprobs: torch.Tensor, root: torch.Tensor, budget: int, kernel=None):
     """tree.best_first_nodes for a drafter with a Markov head: block log-probs [D, V] under root [1], each
-    node's children from its own conditional, among max(8, budget) candidates per position (at most M)."""
-    m = max(SMALL_TREE_CANDIDATES, budget)
-    return conditional_best_first(*conditional_table(drafter, logprobs, int(root), m), budget)
+    node's children from its own conditional, among max(8, budget) candidates per position (at most M). Returns
+    parents, depths (numpy), draft ids (a LongTensor on the logprobs' device) and path log-probs; in one call of
+    `kernel` (the CPU runtime's, kernels/tree.cpp) where given, with the same nodes."""
+    m = min(max(SMALL_TREE_CANDIDATES, budget), drafter.markov.candidates, logprobs.shape[1])
+    if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
+        parents, depths, ids, scores = kernel.markov_tree(logprobs.contiguous(), int(root), budget, m, *args)
+        return parents.numpy(), depths.numpy(), ids, scores.numpy()
+    parents, depths, tokens, scores = conditional_best_first(*conditional_table(drafter, logprobs, int(root), m), budget)
+    return parents, depths, torch.tensor(tokens, dtype=torch.long, device=logprobs.device), scores
 
 
-def head_chain_ids(drafter, logits: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+def head_chain_ids(drafter, logits: torch.Tensor, root: torch.Tensor, kernel=None) -> torch.Tensor:
     """The linear draft of a drafter with a Markov head: draft ids [D] (on the logits' device), each the best
-    token given the one drafted before it."""
-    cand_ids, cond = conditional_table(drafter, logits.float().log_softmax(dim=-1), int(root), SMALL_TREE_CANDIDATES)
+    token given the one drafted before it (through `kernel` where given)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    m = min(SMALL_TREE_CANDIDATES, drafter.markov.candidates, logprobs.shape[1])
+    if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
+        return kernel.markov_chain(logprobs.contiguous(), int(root), m, *args).to(logits.device)
+    cand_ids, cond = conditional_table(drafter, logprobs, int(root), m)
     return torch.tensor(conditional_chain(cand_ids, cond), dtype=torch.long, device=logits.device)

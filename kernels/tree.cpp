@@ -1,7 +1,9 @@
 // A DDTree step's host work in C++: the best-first tree over a draft's log-probs, its tokens in the target's
 // vocabulary, the verify pass's visibility and positions, and the greedy walk. Each is ddtree/tree.py's Python function of the same
 // name, with the same results (tests/test_tree.py holds them equal); here they are a call each instead of dozens of
-// Python and torch calls, which cost most after a model pass has pushed the interpreter out of the caches.
+// Python and torch calls, which cost most after a model pass has pushed the interpreter out of the caches. With a
+// Markov head, the tree and the chain from each node's own conditional (markov_tree, markov_chain: ddtree/markov.py's
+// conditional_table + conditional_best_first / conditional_chain; tests/test_markov.py holds them equal).
 //
 // The heap orders nodes exactly as Python's heapq orders tree.best_first_nodes' tuples (-score, parent, depth
 // index, rank), with the scores summed in double in the same order, so the pop order is the same. Each depth's ranks
@@ -11,6 +13,7 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <cmath>
 #include <queue>
 #include <tuple>
 #include <vector>
@@ -69,6 +72,20 @@ struct Ranks {
 
 using Entry = std::tuple<double, int64_t, int64_t, int64_t>;  // (-score, parent node, depth index, rank)
 
+// A tree in pop order as tensors: parents int64 [n + 1], depths int64 [n + 1], draft ids int64 [n], scores float64 [n].
+std::vector<torch::Tensor> tree_tensors(const std::vector<int64_t>& parents, const std::vector<int64_t>& depths,
+                                        const std::vector<int64_t>& tokens, const std::vector<double>& scores) {
+  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  torch::Tensor p = torch::empty({n + 1}, i64), dep = torch::empty({n + 1}, i64), ids = torch::empty({n}, i64),
+                s = torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat64));
+  std::copy(parents.begin(), parents.end(), p.data_ptr<int64_t>());
+  std::copy(depths.begin(), depths.end(), dep.data_ptr<int64_t>());
+  std::copy(tokens.begin(), tokens.end(), ids.data_ptr<int64_t>());
+  std::copy(scores.begin(), scores.end(), s.data_ptr<double>());
+  return {p, dep, ids, s};
+}
+
 }  // namespace
 
 // logprobs float32 [L, V] (block positions 1..L), budget >= 1 -> parents int64 [n + 1], depths int64 [n + 1]
@@ -101,15 +118,7 @@ std::vector<torch::Tensor> best_first_tree(torch::Tensor logprobs, int64_t budge
     if (d + 1 < L)  // first child: the best rank one level deeper
       heap.emplace(neg - static_cast<double>(ranks[d + 1].lp[0]), node, d + 1, 0);
   }
-  auto i64 = torch::TensorOptions().dtype(torch::kInt64);
-  const int64_t n = static_cast<int64_t>(tokens.size());
-  torch::Tensor p = torch::empty({n + 1}, i64), dep = torch::empty({n + 1}, i64), ids = torch::empty({n}, i64),
-                s = torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat64));
-  std::copy(parents.begin(), parents.end(), p.data_ptr<int64_t>());
-  std::copy(depths.begin(), depths.end(), dep.data_ptr<int64_t>());
-  std::copy(tokens.begin(), tokens.end(), ids.data_ptr<int64_t>());
-  std::copy(scores.begin(), scores.end(), s.data_ptr<double>());
-  return {p, dep, ids, s};
+  return tree_tensors(parents, depths, tokens, scores);
 }
 
 // root token, draft ids int64 [n], d2t (the drafter's draft -> target offsets, int64 [draft vocab]) or None ->
@@ -133,6 +142,175 @@ torch::Tensor tree_tokens(int64_t root, torch::Tensor ids, c10::optional<torch::
     }
   } else {
     std::copy(in, in + n, o + 1);
+  }
+  return out;
+}
+
+// --- Trees from a Markov head's conditionals (ddtree/markov.py: conditional_table, conditional_best_first,
+// conditional_chain; the same arithmetic, in double, with the same pop order) ------------------------------------
+
+namespace {
+
+double logsumexp(const double* x, int64_t n) {
+  double top = x[0];
+  for (int64_t i = 1; i < n; ++i) top = std::max(top, x[i]);
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - top);
+  return top + std::log(sum);
+}
+
+// The conditionals of one block: per depth d the top-M draft ids and cond[d][p][c] = log cond(candidate c of depth
+// d | parent p), the parent being candidate p of depth d - 1 (the root at depth 0, the same for every row). A row is
+// computed on first use: a tree of n nodes reads at most n + 1 of the D x M rows.
+class CondTable {
+ public:
+  int64_t D, M;
+  std::vector<int64_t> ids;  // [D, M] draft ids
+
+  CondTable(const torch::Tensor& logprobs, int64_t root, int64_t m, const torch::Tensor& codes,
+            const torch::Tensor& out_t, const torch::Tensor& scale, const c10::optional<torch::Tensor>& d2t);
+
+  const double* row(int64_t d, int64_t p) {  // cond[d][p][:]
+    const int64_t at = d * M + p;
+    if (!done_[at]) fill(d, p);
+    return cond_.data() + at * M;
+  }
+  const std::vector<int64_t>& ranked(int64_t d, int64_t p) {  // argsort(-row, stable): ties keep the lower index
+    const int64_t at = d * M + p;
+    if (order_[at].empty()) {
+      const double* r = row(d, p);
+      auto& o = order_[at];
+      o.resize(M);
+      for (int64_t c = 0; c < M; ++c) o[c] = c;
+      std::stable_sort(o.begin(), o.end(), [r](int64_t a, int64_t b) { return r[a] > r[b]; });
+    }
+    return order_[at];
+  }
+
+ private:
+  int64_t root_, R_, vocab_;
+  const float *codes_, *out_t_, *scale_;
+  const int64_t* map_ = nullptr;
+  std::vector<double> lp_, rest_, cond_;  // [D, M] candidates' log-probs, [D] the mass outside them, [D, M, M]
+  std::vector<char> done_;
+  std::vector<std::vector<int64_t>> order_;
+
+  void fill(int64_t d, int64_t p) {
+    int64_t parent = root_;  // depth d's parents: depth d - 1's candidates, as target ids
+    if (d > 0) {
+      const int64_t id = ids[(d - 1) * M + p];
+      parent = map_ ? id + map_[id] : id;
+    }
+    TORCH_CHECK(parent >= 0 && parent < vocab_, "markov tree: parent token ", parent, " is outside the vocabulary");
+    const float* z = codes_ + parent * R_;
+    const double* cl = lp_.data() + d * M;
+    const double s = static_cast<double>(scale_[d]);
+    double* out = cond_.data() + (d * M + p) * M;
+    for (int64_t c = 0; c < M; ++c) {  // lp + scale * (z . w): the bias of the head, among the candidates
+      const float* w = out_t_ + ids[d * M + c] * R_;
+      double dot = 0.0;
+      for (int64_t k = 0; k < R_; ++k) dot += static_cast<double>(z[k]) * static_cast<double>(w[k]);
+      out[c] = cl[c] + s * dot;
+    }
+    const double norm = std::log(rest_[d] + std::exp(logsumexp(out, M)));
+    for (int64_t c = 0; c < M; ++c) out[c] -= norm;
+    done_[d * M + p] = 1;
+  }
+};
+
+CondTable::CondTable(const torch::Tensor& logprobs, int64_t root, int64_t m, const torch::Tensor& codes,
+                     const torch::Tensor& out_t, const torch::Tensor& scale, const c10::optional<torch::Tensor>& d2t) {
+  TORCH_CHECK(logprobs.dim() == 2 && logprobs.scalar_type() == torch::kFloat32 && logprobs.is_contiguous() &&
+                  logprobs.device().is_cpu() && logprobs.size(0) >= 1,
+              "markov tree: logprobs must be a contiguous float32 CPU tensor [depth, draft vocab]");
+  D = logprobs.size(0);
+  const int64_t V = logprobs.size(1);
+  for (const torch::Tensor* t : {&codes, &out_t, &scale})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->device().is_cpu(),
+                "markov tree: the head's tables must be contiguous float32 CPU tensors");
+  TORCH_CHECK(codes.dim() == 2 && out_t.dim() == 2 && codes.size(1) == out_t.size(1) && out_t.size(0) == V &&
+                  scale.dim() == 1 && scale.size(0) >= D,
+              "markov tree: codes [vocab, r], out_t [draft vocab, r] and scale [>= depth] do not fit logprobs [",
+              D, ", ", V, "]");
+  TORCH_CHECK(m >= 1 && m <= V, "markov tree: candidates must lie in 1..", V, ", got ", m);
+  M = m;
+  root_ = root;
+  R_ = codes.size(1);
+  vocab_ = codes.size(0);
+  TORCH_CHECK(root >= 0 && root < vocab_, "markov tree: root token ", root, " is outside the vocabulary");
+  if (d2t.has_value()) {
+    TORCH_CHECK(d2t->dim() == 1 && d2t->scalar_type() == torch::kInt64 && d2t->is_contiguous() && d2t->size(0) == V,
+                "markov tree: d2t must be a contiguous int64 tensor [draft vocab]");
+    map_ = d2t->data_ptr<int64_t>();
+  }
+  codes_ = codes.data_ptr<float>();
+  out_t_ = out_t.data_ptr<float>();
+  scale_ = scale.data_ptr<float>();
+  ids.resize(D * M);
+  lp_.resize(D * M);
+  rest_.resize(D);
+  cond_.resize(D * M * M);
+  done_.assign(D * M, 0);
+  order_.resize(D * M);
+  const float* x = logprobs.data_ptr<float>();
+  std::vector<float> vals;
+  std::vector<int64_t> top;
+  for (int64_t d = 0; d < D; ++d) {  // candidates: each depth's top-M (ties: the lower id first)
+    top_ranks(x + d * V, V, M, vals, top);
+    for (int64_t c = 0; c < M; ++c) {
+      ids[d * M + c] = top[c];
+      lp_[d * M + c] = static_cast<double>(vals[c]);
+    }
+    rest_[d] = std::max(-std::expm1(logsumexp(lp_.data() + d * M, M)), 1e-12);
+  }
+}
+
+using CondEntry = std::tuple<double, int64_t, int64_t, int64_t, int64_t>;  // (-score, parent node, d, row p, rank)
+
+}  // namespace
+
+// markov.head_tree_nodes' tree in one call: logprobs float32 [D, draft vocab] (block positions 1..D), the root's
+// target id, budget, M candidates per depth, the head's host tables (codes [vocab, r], out_t [draft vocab, r],
+// scale [>= D]) and d2t or None -> parents [n + 1], depths [n + 1], draft ids [n], path log-probs [n] (float64),
+// in pop order: each node's children from its own conditional (markov.conditional_best_first).
+std::vector<torch::Tensor> markov_tree(torch::Tensor logprobs, int64_t root, int64_t budget, int64_t m,
+                                       torch::Tensor codes, torch::Tensor out_t, torch::Tensor scale,
+                                       c10::optional<torch::Tensor> d2t) {
+  TORCH_CHECK(budget >= 1, "markov_tree: budget must be >= 1, got ", budget);
+  CondTable t(logprobs, root, m, codes, out_t, scale, d2t);
+  std::vector<int64_t> parents{-1}, depths{0}, tokens;
+  std::vector<double> scores;
+  std::priority_queue<CondEntry, std::vector<CondEntry>, std::greater<CondEntry>> heap;  // a min-heap, as heapq
+  heap.emplace(-t.row(0, 0)[t.ranked(0, 0)[0]], 0, 0, 0, 0);
+  while (!heap.empty() && static_cast<int64_t>(tokens.size()) < budget) {
+    const auto [neg, parent, d, p, r] = heap.top();
+    heap.pop();
+    const std::vector<int64_t>& idx = t.ranked(d, p);
+    const double* lp = t.row(d, p);
+    const int64_t node = static_cast<int64_t>(parents.size()), c = idx[r];
+    parents.push_back(parent);
+    depths.push_back(d + 1);
+    tokens.push_back(t.ids[d * t.M + c]);
+    scores.push_back(-neg);
+    if (r + 1 < t.M)  // next sibling: same parent, next rank of its conditional
+      heap.emplace(neg + lp[idx[r]] - lp[idx[r + 1]], parent, d, p, r + 1);
+    if (d + 1 < t.D)  // first child: the best of this node's own conditional
+      heap.emplace(neg - t.row(d + 1, c)[t.ranked(d + 1, c)[0]], node, d + 1, c, 0);
+  }
+  return tree_tensors(parents, depths, tokens, scores);
+}
+
+// markov.conditional_chain over the same table: the spine's draft ids int64 [D], each the best candidate (the
+// first maximum) given the one drafted before it.
+torch::Tensor markov_chain(torch::Tensor logprobs, int64_t root, int64_t m, torch::Tensor codes, torch::Tensor out_t,
+                           torch::Tensor scale, c10::optional<torch::Tensor> d2t) {
+  CondTable t(logprobs, root, m, codes, out_t, scale, d2t);
+  torch::Tensor out = torch::empty({t.D}, torch::TensorOptions().dtype(torch::kInt64));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t d = 0, p = 0; d < t.D; ++d) {
+    const double* r = t.row(d, p);
+    p = std::max_element(r, r + t.M) - r;
+    o[d] = t.ids[d * t.M + p];
   }
   return out;
 }
@@ -205,6 +383,11 @@ pybind11::tuple greedy_walk(torch::Tensor logits, Index parents, torch::Tensor t
 void bind_tree(pybind11::module& mod) {
   mod.def("best_first_tree", &best_first_tree,
           "logprobs [L, V] float32, budget -> parents, depths, draft ids, path log-probs (tree.best_first_nodes)");
+  mod.def("markov_tree", &markov_tree,
+          "logprobs [D, V] float32, root, budget, M, codes [vocab, r], out_t [V, r], scale [D'] (float32), d2t or None "
+          "-> parents, depths, draft ids, path log-probs (markov.head_tree_nodes)");
+  mod.def("markov_chain", &markov_chain,
+          "logprobs [D, V] float32, root, M, codes, out_t, scale, d2t or None -> draft ids [D] (markov.conditional_chain)");
   mod.def("tree_tokens", &tree_tokens, "root, draft ids [n], d2t [draft vocab] or None -> tokens [n + 1]");
   mod.def("tree_visibility", &tree_visibility,
           "parents [N], depths [N] (numpy int64), past -> ancestors bool [N, N], positions [N] (tree.ancestor_matrix)");

@@ -12,7 +12,7 @@ from ddtree.config import SamplingParams
 from ddtree.drafter import DFlashDrafter
 from ddtree.engine import Decoder, chain_ids, make_method, tree_nodes
 from ddtree.markov import (MarkovHead, conditional_best_first, conditional_chain, conditional_logprobs,
-                           conditional_table)
+                           conditional_table, head_chain_ids, head_tree_nodes)
 from ddtree.testing import add_markov_head, random_pair
 from ddtree.tree import best_first_nodes
 
@@ -195,3 +195,81 @@ def test_sampling_with_a_head_matches_the_target_distribution():
         counts = sample_counts(Decoder(target, drafter), make_method(name, budget, None, drafter), params)
         rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
         assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: {name} with a head is not lossless"
+
+
+# --- the same trees in the CPU kernel (kernels/tree.cpp: markov_tree, markov_chain), as a CPU runtime builds them --
+def _kernel():
+    from ddtree.cpu import qlinear
+
+    if not qlinear.cpu_kernel_available("auto"):
+        pytest.skip("the CPU kernel does not build here")
+    return qlinear.kernel()
+
+
+def _reduced_drafter(head, embed, d2t):
+    """What the kernel path reads of a drafter with a reduced draft vocabulary (d2t: draft -> target offsets)."""
+    class Drafter:
+        markov = head
+        target = type("T", (), {"embed": staticmethod(lambda ids: embed[ids])})
+        cfg = type("C", (), {"model": type("M", (), {"vocab_size": embed.shape[0]}), "reduced_vocab": True})
+
+        @staticmethod
+        def to_target_ids(ids):
+            return ids + d2t[ids]
+    Drafter.d2t = d2t
+    return Drafter
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("budget", [1, 2, 5, 8, 16, 40])
+def test_kernel_markov_tree_is_the_python_tree(seed, budget):
+    """The kernel's tree and chain against markov.conditional_best_first / conditional_chain over the numpy table:
+    the same nodes in the same pop order, the same scores (both in double), with a reduced draft vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    depth, draft_vocab, vocab, hidden = 7, 40, 64, 16
+    head = random_head(hidden=hidden, vocab=draft_vocab, positions=depth, rank=6, candidates=32, seed=seed)
+    embed = torch.randn(vocab, hidden, generator=gen)
+    d2t = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values - torch.arange(draft_vocab)
+    drafter = _reduced_drafter(head, embed, d2t)
+    lp = block_logprobs(depth, draft_vocab, seed + 50)
+    root = torch.tensor([int(torch.randint(vocab, (1,), generator=gen))])
+    m = min(max(8, budget), 32)
+    parents, depths, tokens, scores = conditional_best_first(*conditional_table(drafter, lp, int(root), m), budget)
+    got = head_tree_nodes(drafter, lp, root, budget, _kernel())
+    np.testing.assert_array_equal(got[0], parents)
+    np.testing.assert_array_equal(got[1], depths)
+    assert got[2].tolist() == tokens
+    np.testing.assert_allclose(got[3], scores, rtol=1e-12)
+    python_chain = head_chain_ids(drafter, lp, root)  # no kernel: the numpy table
+    assert head_chain_ids(drafter, lp, root, _kernel()).tolist() == python_chain.tolist()
+
+
+def test_kernel_markov_tree_refuses_bad_input():
+    head = random_head(hidden=16, vocab=12, positions=4, candidates=5)
+    codes, out_t, scale = head.host_tensors(lambda ids: torch.randn(ids.numel(), 16), 20)
+    lp = block_logprobs(4, 12, 0)
+    with pytest.raises(RuntimeError, match="root token"):
+        _kernel().markov_tree(lp, 20, 4, 5, codes, out_t, scale, None)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        _kernel().markov_tree(block_logprobs(4, 13, 0), 3, 4, 5, codes, out_t, scale, None)
+    with pytest.raises(RuntimeError, match="budget"):
+        _kernel().markov_tree(lp, 3, 0, 5, codes, out_t, scale, None)
+
+
+def test_a_runtime_drafter_builds_the_head_trees_in_the_kernel():
+    """tree_nodes / chain_ids on a CPU runtime's drafter (kernel) give what the Python path gives."""
+    from ddtree.engine import host_kernel
+
+    _, drafter = random_pair("llama", seed=3, block_size=8)
+    add_markov_head(drafter, seed=4)
+    if host_kernel(drafter) is None:
+        pytest.skip("no CPU runtime kernel here")
+    logits = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)) * 3
+    lp, root = logits.log_softmax(-1), torch.tensor([5])
+    for budget in (2, 8, 16):
+        got = tree_nodes(drafter, lp, root, budget)
+        want = head_tree_nodes(drafter, lp, root, budget)  # no kernel
+        for a, b in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(got[3], want[3], rtol=1e-12)  # double sums in another order
+    assert chain_ids(drafter, logits, root).tolist() == head_chain_ids(drafter, logits, root).tolist()
