@@ -71,3 +71,32 @@ def test_markov_commands_refuse_bad_input_before_loading(argv, says, capsys, tmp
 
     assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_quantize_carries_a_head_from_a_drafter_of_the_same_vocabulary(tmp_path, capsys):
+    """`train quantize --markov-from DIR`: the donor's head on the rounded drafter; refused for a donor without a
+    head or with another block size, and together with --drop-markov."""
+    from ddtree.drafter import DFlashDrafter
+    from ddtree.testing import add_markov_head
+    from ddtree.train.cli import main
+
+    _, plain = random_pair("llama", seed=3, block_size=6, runtime=False)
+    _, donor = random_pair("llama", seed=4, block_size=6, runtime=False)
+    add_markov_head(donor, rank=4, candidates=5, seed=2)
+    _, other = random_pair("llama", seed=4, block_size=5, runtime=False)
+    add_markov_head(other, seed=2)
+    for name, d in (("plain", plain), ("donor", donor), ("other", other)):
+        d.save(tmp_path / name)
+    assert main(["quantize", "--draft", str(tmp_path / "plain"), "--out", str(tmp_path / "q"),
+                 "--markov-from", str(tmp_path / "donor")]) == 0
+    got = DFlashDrafter.load(tmp_path / "q")
+    assert got.cfg.markov == (4, 5)
+    for name in ("proj", "out", "scale"):  # the head is not rounded: the donor's bf16 values as they are
+        torch.testing.assert_close(getattr(got.markov, name), getattr(donor.markov, name).bfloat16().float())
+    torch.testing.assert_close(got.fc.weight, DFlashDrafter.load(tmp_path / "plain").fc.weight, atol=0.02, rtol=0.05)
+    for donor_dir, says in (("plain", "has no Markov head"), ("other", "another draft vocabulary or block size")):
+        assert main(["quantize", "--draft", str(tmp_path / "plain"), "--out", str(tmp_path / f"x{donor_dir}"),
+                     "--markov-from", str(tmp_path / donor_dir)]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["quantize", "--draft", "a", "--out", "b", "--markov-from", "c", "--drop-markov"])

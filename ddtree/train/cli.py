@@ -351,6 +351,8 @@ def cmd_quantize(args) -> int:
     drafter = DFlashDrafter.load(source)
     if args.drop_markov:
         drafter.set_markov_head(None)
+    if args.markov_from:
+        drafter.set_markov_head(_donor_head(drafter, Path(args.markov_from)))
     rounded, kept = [], []
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -366,6 +368,23 @@ def cmd_quantize(args) -> int:
           f"(norms: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}); written to {out} in bfloat16 (its model "
           f"card copied unchanged: say there that it is rounded)")
     return 0
+
+
+def _donor_head(drafter, donor_dir: Path):
+    """The Markov head of the drafter in donor_dir, for `drafter`: refused unless it indexes the same draft vocabulary
+    (size and d2t) over the same block positions."""
+    if not (donor_dir / "config.json").is_file():
+        raise ConfigError(f"--markov-from {donor_dir} is not a drafter directory (no config.json)")
+    donor = DFlashDrafter.load(donor_dir)
+    if donor.markov is None:
+        raise ConfigError(f"--markov-from {donor_dir}: that drafter has no Markov head (fit one with markov-fit)")
+    same = donor.cfg.draft_vocab == drafter.cfg.draft_vocab and donor.cfg.block_size == drafter.cfg.block_size and \
+        (not drafter.cfg.reduced_vocab or torch.equal(donor.d2t, drafter.d2t))
+    if not same:
+        raise ConfigError(f"--markov-from {donor_dir}: its head is for another draft vocabulary or block size "
+                          f"({donor.cfg.draft_vocab} tokens, block {donor.cfg.block_size}; this drafter: "
+                          f"{drafter.cfg.draft_vocab}, block {drafter.cfg.block_size}, or another d2t)")
+    return donor.markov
 
 
 def _answers(pair, args, greedy_only: bool) -> list[tuple]:
@@ -425,7 +444,8 @@ def cmd_markov_fit(args) -> int:
     torch.manual_seed(args.seed)
     head = MarkovHead(cfg.model.hidden_size, cfg.draft_vocab, cfg.block_size - 1, args.rank, m)
     embed = target.model.embed_tokens.weight.detach().float()
-    rows = flat_rows(tables)
+    device = embed.device  # the fit runs where the target is (--device); the held-out trees are built on the host
+    head, rows = head.to(device), {k: v.to(device) for k, v in flat_rows(tables).items()}
     from tqdm import tqdm
 
     steps = max(1, -(-int(args.epochs * rows["label_idx"].numel()) // args.batch))
@@ -436,7 +456,8 @@ def cmd_markov_fit(args) -> int:
     if bar:
         bar.close()
     print(f"markov-fit: {rows['label_idx'].numel()} rows, {steps} steps, rank {args.rank}, {m} candidates")
-    drafter.set_markov_head(head.to(torch.bfloat16).float())  # evaluate what the bf16 file holds
+    head, embed = head.to(torch.bfloat16).float().cpu(), embed.cpu()  # evaluate what the bf16 file holds
+    drafter.set_markov_head(head)
     if args.heldout:
         held = read_tables(args.heldout)
         hrows = flat_rows(held)
@@ -585,7 +606,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--draft", required=True, help="drafter directory (published format)")
     q.add_argument("--out", required=True, help="directory for the rounded drafter")
     q.add_argument("--force", action="store_true", help="replace what --out holds")
-    q.add_argument("--drop-markov", action="store_true", help="leave out the drafter's Markov head (markov-fit)")
+    head = q.add_mutually_exclusive_group()
+    head.add_argument("--drop-markov", action="store_true", help="leave out the drafter's Markov head (markov-fit)")
+    head.add_argument("--markov-from", metavar="DIR", help="carry this drafter's Markov head instead (the same draft "
+                      "vocabulary: e.g. a head fitted on the drafter a fine-tune started from)")
     p = sub.add_parser("probe", help="a drafter's top-1 and tree acceptance at every position of greedy answers")
     _target_args(p)
     p.add_argument("--draft", help="drafter directory (default: the shipped one)")

@@ -121,7 +121,7 @@ def fit_head(head: MarkovHead, embed: torch.Tensor, rows: dict[str, torch.Tensor
     for step in range(steps):
         if pos + batch > n:
             order, pos = torch.randperm(n, generator=gen), 0
-        idx = order[pos:pos + batch]
+        idx = order[pos:pos + batch].to(rows["label_idx"].device)
         pos += batch
         loss = -row_log_likelihood(head, embed, *(rows[k][idx] for k in ROW_KEYS)).mean()
         opt.zero_grad(set_to_none=True)

@@ -15,6 +15,7 @@ accepts). Every tree is built from a draft of the whole block, as the engine's `
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,11 +163,16 @@ def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, pro
     budgets = tuple(budgets)
     sums: dict[str, np.ndarray] = {}
     if drafter.markov is not None:  # each node's children from its own conditional (ddtree/markov.py)
-        embed = target.model.embed_tokens.weight
+        # the trees are built on the host: the head, the embedding and the id map there (the passes may be on a GPU)
+        head, embed = copy.deepcopy(drafter.markov).cpu(), target.model.embed_tokens.weight.detach().cpu()
+        device = target.model.embed_tokens.weight.device
+
+        def to_target(ids):
+            return drafter.to_target_ids(ids.to(device)).cpu()
         for tokens, prompt_len, group in sequences:
             tables = anchor_tables(block_drafts(target, drafter, tokens, prompt_len), tokens, k)
             tables["group"] = np.array([group] * len(tables["labels"]))
-            tree_tau_sums(tables, budgets, drafter.markov, embed, drafter.to_target_ids, sums=sums)
+            tree_tau_sums(tables, budgets, head, embed, to_target, sums=sums)
             if progress is not None:
                 progress()
         return _averages(sums, budgets)
