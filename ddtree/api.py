@@ -243,7 +243,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
-    CUDA and on CPUs with AMX, else fp32; see loading.default_dtype). backend: "auto" (the own-code model
+    CUDA, fp32 on CPUs; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
     which ran. The arithmetic of a float32 CPU target (the CPU runtime, ddtree/cpu/runtime.py):
     quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (float32 activations;

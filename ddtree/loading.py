@@ -58,14 +58,10 @@ def resolve_device(device) -> torch.device:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA and on CPUs with AMX tiles; float32 on every other CPU. Without AVX512-BF16 torch's bf16
-    matmuls are emulated; with it but without AMX the float32 path (the C++ decoder stack over the weights' exact
-    compact blocks) still decoded the embedded pair several times faster than bf16 (docs/cpu-speed.md), so
-    AVX512-BF16 alone does not make bf16 the default."""
-    if torch.device(device).type == "cuda":
-        return torch.bfloat16
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    return torch.bfloat16 if amx else torch.float32
+    """bfloat16 on CUDA; float32 on every CPU. The float32 path is the CPU runtime (the C++ decoder stack over the
+    weights' exact compact blocks), which bf16 does not take: without AVX512-BF16 torch's bf16 matmuls are
+    emulated, and even with AMX tiles bf16 decoded the embedded pair 3-4x slower than float32 (docs/cpu-speed.md)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def default_target_path() -> Path:

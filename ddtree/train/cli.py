@@ -160,7 +160,7 @@ def cmd_generate_data(args) -> int:
     else:
         prompts = build_prompts(args.num_prompts, _parse_mix(args.mix) or SCALE_MIX, args.seed)
         prompts = with_follow_ups(prompts, settings.follow_up_fraction, args.seed)
-    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # bf16 only where the CPU has AMX
+    target, tokenizer, stops, directory = _load_target(args, default_dtype)  # the engine's: fp32 on CPUs
     if args.prompts_file:
         _check_ids(prompts, target.cfg.vocab_size, args.prompts_file)
     # the target as the user named it (the cache directory's name changes with the install)
