@@ -60,7 +60,7 @@ def resolve_device(device) -> torch.device:
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 on CUDA; float32 on every CPU. The float32 path is the CPU runtime (the C++ decoder stack over the
     weights' exact compact blocks), which bf16 does not take: without AVX512-BF16 torch's bf16 matmuls are
-    emulated, and even with AMX tiles bf16 decoded the embedded pair 3-4x slower than float32 (docs/cpu-speed.md)."""
+    emulated, and even with AMX tiles bf16 decoded the embedded pair slower than float32 (docs/cpu-speed.md)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 

@@ -104,7 +104,7 @@ def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None 
     per-op overhead would be most of the time."""
     head = drafter.markov
     d, _ = logprobs.shape
-    m = min(m or head.candidates, head.candidates, logprobs.shape[1])  # M: the head's candidates, or fewer
+    m = _candidates(head, m, logprobs.shape[1])
     top = logprobs.topk(m, dim=-1)  # [D, M]
     parents = drafter.to_target_ids(top.indices[:-1])  # [D - 1, M]: depth d's parents are depth d - 1's candidates
     cand_lp, cand_ids, parents = (t.cpu().numpy() for t in (top.values.float(), top.indices, parents))
@@ -118,6 +118,11 @@ def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None 
     rest = np.maximum(-np.expm1(_logsumexp(cand_lp)), 1e-12)  # [D] the mass outside the candidates
     norm = np.log(rest[:, None] + np.exp(_logsumexp(x)))  # [D, M]
     return cand_ids, x - norm[..., None]
+
+
+def _candidates(head: MarkovHead, m: int | None, vocab: int) -> int:
+    """M, the candidates per block position: m (None: the head's own), at most the head's and the vocabulary's."""
+    return min(m or head.candidates, head.candidates, vocab)
 
 
 def _logsumexp(x: np.ndarray) -> np.ndarray:
@@ -189,7 +194,7 @@ def head_tree_nodes(drafter, logprobs: torch.Tensor, root: torch.Tensor, budget:
     node's children from its own conditional, among max(8, budget) candidates per position (at most M). Returns
     parents, depths (numpy), draft ids (a LongTensor on the logprobs' device) and path log-probs; in one call of
     `kernel` (the CPU runtime's, kernels/tree.cpp) where given, with the same nodes."""
-    m = min(max(SMALL_TREE_CANDIDATES, budget), drafter.markov.candidates, logprobs.shape[1])
+    m = _candidates(drafter.markov, max(SMALL_TREE_CANDIDATES, budget), logprobs.shape[1])
     if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
         parents, depths, ids, scores = kernel.markov_tree(logprobs.contiguous(), int(root), budget, m, *args)
         return parents.numpy(), depths.numpy(), ids, scores.numpy()
@@ -201,7 +206,7 @@ def head_chain_ids(drafter, logits: torch.Tensor, root: torch.Tensor, kernel=Non
     """The linear draft of a drafter with a Markov head: draft ids [D] (on the logits' device), each the best
     token given the one drafted before it (through `kernel` where given)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    m = min(SMALL_TREE_CANDIDATES, drafter.markov.candidates, logprobs.shape[1])
+    m = _candidates(drafter.markov, SMALL_TREE_CANDIDATES, logprobs.shape[1])
     if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
         return kernel.markov_chain(logprobs.contiguous(), int(root), m, *args).to(logits.device)
     cand_ids, cond = conditional_table(drafter, logprobs, int(root), m)

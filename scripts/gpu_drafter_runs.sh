@@ -32,8 +32,8 @@ else
     echo "${GGUF_SHA256:?}  $G" | sha256sum -c || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE=/root/ddtree-cache
-    # seven processes share the GPU: without this the table processes' caching allocators held 13-30 GB each and
-    # the 16K / 32K fine-tunes ran out of memory (2026-11-26; they then ran alone in a second call)
+    # seven processes share the GPU: the table processes' passes vary in size, and without expandable segments
+    # their caching allocators keep the peaks, which leaves the fine-tunes short of memory (RECIPE.md)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     ln -sfn ../kernels ddtree/kernels  # the package's ddtree.kernels (pyproject's package-dir), without installing it
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$R/logs/driver.txt"

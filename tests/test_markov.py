@@ -45,16 +45,22 @@ def test_conditionals_are_distributions_and_a_fresh_head_is_the_identity():
             assert (cond - cand_lp[:, None, :]).abs().max() > 0.1
 
 
-def tables(head, lp, root, embed, to_target=lambda ids: ids):
-    class Drafter:  # what conditional_table reads of a drafter
+def stub_drafter(head, embed, d2t=None):
+    """What conditional_table and the kernel path read of a drafter; d2t: a reduced draft vocabulary's offsets."""
+    class Drafter:
         markov = head
         target = type("T", (), {"embed": staticmethod(lambda ids: embed[ids])})
-        cfg = type("C", (), {"model": type("M", (), {"vocab_size": embed.shape[0]})})
+        cfg = type("C", (), {"model": type("M", (), {"vocab_size": embed.shape[0]}), "reduced_vocab": d2t is not None})
 
         @staticmethod
         def to_target_ids(ids):
-            return to_target(ids)
-    return conditional_table(Drafter, lp, root)
+            return ids if d2t is None else ids + d2t[ids]
+    Drafter.d2t = d2t
+    return Drafter
+
+
+def tables(head, lp, root, embed):
+    return conditional_table(stub_drafter(head, embed), lp, root)
 
 
 def test_the_hosts_table_is_the_training_arithmetic():
@@ -206,20 +212,6 @@ def _kernel():
     return qlinear.kernel()
 
 
-def _reduced_drafter(head, embed, d2t):
-    """What the kernel path reads of a drafter with a reduced draft vocabulary (d2t: draft -> target offsets)."""
-    class Drafter:
-        markov = head
-        target = type("T", (), {"embed": staticmethod(lambda ids: embed[ids])})
-        cfg = type("C", (), {"model": type("M", (), {"vocab_size": embed.shape[0]}), "reduced_vocab": True})
-
-        @staticmethod
-        def to_target_ids(ids):
-            return ids + d2t[ids]
-    Drafter.d2t = d2t
-    return Drafter
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("budget", [1, 2, 5, 8, 16, 40])
 def test_kernel_markov_tree_is_the_python_tree(seed, budget):
@@ -230,7 +222,7 @@ def test_kernel_markov_tree_is_the_python_tree(seed, budget):
     head = random_head(hidden=hidden, vocab=draft_vocab, positions=depth, rank=6, candidates=32, seed=seed)
     embed = torch.randn(vocab, hidden, generator=gen)
     d2t = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values - torch.arange(draft_vocab)
-    drafter = _reduced_drafter(head, embed, d2t)
+    drafter = stub_drafter(head, embed, d2t)
     lp = block_logprobs(depth, draft_vocab, seed + 50)
     root = torch.tensor([int(torch.randint(vocab, (1,), generator=gen))])
     m = min(max(8, budget), 32)
