@@ -13,8 +13,9 @@ token, so a bias there counts it twice (it lowered position 1's accuracy: RECIPE
 their own probability (the bias is applied among the candidates only), so
 Z_d(u) = (1 - sum_{v in C_d} p_d(v)) + sum_{v in C_d} exp(lp_d(v) + b_d(u, v)):
 all the work is [depth, M, M], never a pass over the vocabulary per node. Q starts at zero: a fresh head is the
-identity, and training (ddtree/train/markov.py) fits P, Q and the per-depth scales on a frozen drafter, teacher-
-forced (a node can only be accepted when its parent was, so the true previous token is the parent that matters).
+identity. Training fits P, Q and the per-depth scales teacher-forced (a node can only be accepted when its parent
+was, so the true previous token is the parent that matters): on a frozen drafter from cached tables
+(ddtree/train/markov.py), or together with the drafter (`fit --markov-weight`, ddtree/train/model.py).
 
 Only which tokens the tree holds changes: verification and the walk are untouched, so decoding stays exactly
 lossless with or without the head. A drafter without one drafts exactly as before.
@@ -93,6 +94,18 @@ def conditional_logprobs(head: MarkovHead, cand_lp: torch.Tensor, cand_ids: torc
     return x - norm[..., None], norm
 
 
+def row_log_likelihood(head: MarkovHead, embed: torch.Tensor, cand_lp, cand_ids, label_idx, label_lp, parents,
+                       depths) -> torch.Tensor:
+    """log cond(label | parent) [n] of n teacher-forced (root, depth) rows. cand_lp / cand_ids [n, M]: the drafter's
+    top-M log-probs and draft ids there; label_idx [n]: the true token's index among them (-1: not one), label_lp [n]:
+    its log-prob; parents [n]: the true previous tokens (target ids); depths [n]; embed: the target's input embedding
+    [V, H]. The loss of markov-fit (from cached tables) and of `fit --markov-weight` (live, with the drafter)."""
+    cond, norm = conditional_logprobs(head, cand_lp, cand_ids, head.code(embed[parents])[:, None, :], depths)
+    cond, norm = cond[:, 0], norm[:, 0]  # one parent per row
+    inside = cond.gather(1, label_idx.clamp(min=0)[:, None])[:, 0]
+    return torch.where(label_idx >= 0, inside, label_lp - norm)
+
+
 @torch.inference_mode()
 def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
@@ -104,7 +117,7 @@ def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None 
     per-op overhead would be most of the time."""
     head = drafter.markov
     d, _ = logprobs.shape
-    m = _candidates(head, m, logprobs.shape[1])
+    m = candidate_count(head, m, logprobs.shape[1])
     top = logprobs.topk(m, dim=-1)  # [D, M]
     parents = drafter.to_target_ids(top.indices[:-1])  # [D - 1, M]: depth d's parents are depth d - 1's candidates
     cand_lp, cand_ids, parents = (t.cpu().numpy() for t in (top.values.float(), top.indices, parents))
@@ -120,7 +133,7 @@ def conditional_table(drafter, logprobs: torch.Tensor, root: int, m: int | None 
     return cand_ids, x - norm[..., None]
 
 
-def _candidates(head: MarkovHead, m: int | None, vocab: int) -> int:
+def candidate_count(head: MarkovHead, m: int | None, vocab: int) -> int:
     """M, the candidates per block position: m (None: the head's own), at most the head's and the vocabulary's."""
     return min(m or head.candidates, head.candidates, vocab)
 
@@ -194,7 +207,7 @@ def head_tree_nodes(drafter, logprobs: torch.Tensor, root: torch.Tensor, budget:
     node's children from its own conditional, among max(8, budget) candidates per position (at most M). Returns
     parents, depths (numpy), draft ids (a LongTensor on the logprobs' device) and path log-probs; in one call of
     `kernel` (the CPU runtime's, kernels/tree.cpp) where given, with the same nodes."""
-    m = _candidates(drafter.markov, max(SMALL_TREE_CANDIDATES, budget), logprobs.shape[1])
+    m = candidate_count(drafter.markov, max(SMALL_TREE_CANDIDATES, budget), logprobs.shape[1])
     if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
         parents, depths, ids, scores = kernel.markov_tree(logprobs.contiguous(), int(root), budget, m, *args)
         return parents.numpy(), depths.numpy(), ids, scores.numpy()
@@ -206,7 +219,7 @@ def head_chain_ids(drafter, logits: torch.Tensor, root: torch.Tensor, kernel=Non
     """The linear draft of a drafter with a Markov head: draft ids [D] (on the logits' device), each the best
     token given the one drafted before it (through `kernel` where given)."""
     logprobs = logits.float().log_softmax(dim=-1)
-    m = _candidates(drafter.markov, SMALL_TREE_CANDIDATES, logprobs.shape[1])
+    m = candidate_count(drafter.markov, SMALL_TREE_CANDIDATES, logprobs.shape[1])
     if (args := _kernel_args(drafter, logprobs, kernel)) is not None:
         return kernel.markov_chain(logprobs.contiguous(), int(root), m, *args).to(logits.device)
     cand_ids, cond = conditional_table(drafter, logprobs, int(root), m)

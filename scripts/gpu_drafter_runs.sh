@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Issue 36's drafter runs in ONE call on a lent GPU (ddtree/train/RECIPE.md, "Equal-compute comparisons"): side by
-# side, from the shipped drafter without its Markov head (every run the same data, steps, seed and anchors):
-#   ft-ce    the recipe's CE/KL mix            ft-cetv  CE + total variation (1 - acceptance)
-#   ft-16k   CE with a 16K draft vocabulary    ft-32k   CE with a 32K draft vocabulary
-# and, beside them, the Markov head of the shipped drafter fitted on tables of as many training answers as the time
-# allows (ranks 64 and 128). Then every result is rounded as shipped (`train quantize`), probed on the same held-out
-# answers, packed without the frozen LM heads (scripts/drafter_pack.py) and written to $OUT as xz parts.
+# Issue 36's drafter runs in ONE call on a lent GPU (ddtree/train/RECIPE.md, "Equal-compute comparisons" and "The
+# drafter and its head trained together"): side by side, from the shipped drafter WITH its Markov head (every run the
+# same data, steps, seed and anchors; the loss CE + total variation):
+#   ft-cetv   the head carried as it is (frozen)    ft-joint    the head trained with the drafter (--markov-weight 1)
+#   ft-jlr    ft-joint, the head at lr 1e-3         ft-tv       total variation alone, the head carried
+# and, beside them, a Markov head for the shipped drafter fitted on ITS OWN tables over as many training answers as
+# the time allows (rank 64; the shipped head was fitted on the drafter before it). Then every result is rounded as
+# shipped (`train quantize`), probed with its head on the same held-out answers, packed without the frozen LM heads
+# and the tensors equal to the shipped drafter's (scripts/drafter_pack.py) and written to $OUT as xz parts.
 #
 # On the device: the embedded GGUF arrives in xz parts under .gguf/ (one per call; the earlier calls only copy
 # theirs to /root/g) and the gguf wheel under .whl/. Here: SMOKE=1 runs the whole thing on a CPU on tiny settings.
@@ -45,12 +47,12 @@ say "setup done; converting the target once (every process then reads the cache)
 $PY -c "import sys; from ddtree.loading import resolve_target_dir; print(resolve_target_dir(sys.argv[1] or None))" "$G" \
     >>"$R/logs/driver.txt" 2>&1 || exit 1
 SHIPPED=ddtree/assets/smollm2-135m-dflash
-train quantize --draft $SHIPPED --out $R/base --drop-markov >>"$R/logs/driver.txt" 2>&1 || exit 1
 
-# the fine-tunes' data: the answers the shipped drafter read least (v4 chunks 79-93 and 104-134, writing, completion)
+# the fine-tunes' data: v4 chunks the shipped drafter's own fine-tune did not read (0-63, 94-103: ~8,200 answers, an
+# epoch in about the 5 minutes; its ancestors read them)
 mkdir -p $R/ft-v4 && cp data/smollm2-v4/meta.json $R/ft-v4/
-for i in $(seq 79 93) $(seq 104 134); do n=$(printf chunk_%05d.npz "$i"); ln -s "$PWD/data/smollm2-v4/$n" $R/ft-v4/$n; done
-FT=(--device $DEV "${TGT[@]}" --data $R/ft-v4 data/smollm2-v5 data/smollm2-v6 --init-from $R/base --distill 0.5
+for i in $(seq 0 63) $(seq 94 103); do n=$(printf chunk_%05d.npz "$i"); ln -s "$PWD/data/smollm2-v4/$n" $R/ft-v4/$n; done
+FT=(--device $DEV "${TGT[@]}" --data $R/ft-v4 --init-from $SHIPPED --distill 0.5
     --lr 1e-4 --epochs 1 --seed 10 --val-sequences 0 --eval-prompts 0 --checkpoint-every 100 --threads $TH
     --no-progress $BF16 $FT_LIMIT)
 # every drafter probed on the same held-out greedy answers (fp32, SDPA attention: the CPU's arithmetic, near enough)
@@ -60,16 +62,17 @@ probe() {  # name, drafter dir, extra probe options
     DDTREE_ATTENTION=sdpa timeout $(left 30) $PY -m ddtree train probe "${PROBE[@]}" --draft "$2" "${@:3}" \
         --json $R/logs/probe-$1.json >"$R/logs/probe-$1.txt" 2>&1
 }
-for run in "ce:--objective ce" "cetv:--objective ce+tv" "16k:--objective ce --draft-vocab 16384" \
-           "32k:--objective ce --draft-vocab 32768"; do
+RUNS=("cetv:--objective ce+tv" "joint:--objective ce+tv --markov-weight 1"
+      "jlr:--objective ce+tv --markov-weight 1 --markov-lr 1e-3" "tv:--objective tv")
+for run in "${RUNS[@]}"; do
     name=${run%%:*}
     ( train fit "${FT[@]}" ${run#*:} --out $R/ft-$name >"$R/logs/ft-$name.txt" 2>&1
       train quantize --draft $R/ft-$name/drafter --out $R/ft-$name-q8 >>"$R/logs/ft-$name.txt" 2>&1
       say "ft-$name: $(grep '^fit: [dp]' $R/logs/ft-$name.txt | cut -c1-90)"
-      probe ft-$name $R/ft-$name-q8 ) &
+      probe ft-$name $R/ft-$name-q8 --markov-head ) &
 done
-say "4 fine-tunes started"
-probe base $R/base &
+say "${#RUNS[@]} fine-tunes started"
+probe shipped $SHIPPED --markov-head &
 
 # the Markov head's tables on the shipped drafter: training answers in three processes, held-out greedy answers
 TB=(--device $DEV "${TGT[@]}" --draft $SHIPPED --chunk 50 --no-progress --threads $TH)
@@ -81,7 +84,7 @@ tables --data data/smollm2-v3 data/smollm2-v2 $TABLE_MAX --out $R/mk-b >"$R/logs
       --greedy-only --max-sequences $HELD_MAX --out $R/mk-held >"$R/logs/mk-held.txt" 2>&1
   tables --data data/smollm2-v5 data/smollm2-v6 $TABLE_MAX --out $R/mk-c >"$R/logs/mk-c.txt" 2>&1
   say "tables done: $(ls $R/mk-a $R/mk-b $R/mk-c 2>/dev/null | grep -c tables_) chunks of 50 answers"
-  for rank in 64 128; do
+  for rank in 64; do
       ( timeout $(left 60) $PY -m ddtree train markov-fit --device $DEV "${TGT[@]}" --draft $SHIPPED \
             --tables $R/mk-a $R/mk-b $R/mk-c --heldout $R/mk-held --rank $rank --epochs $FIT_EPOCHS --batch 16384 \
             --weight-decay 1e-4 --out $R/head-r$rank --no-progress --threads $TH >"$R/logs/head-r$rank.txt" 2>&1
@@ -96,11 +99,12 @@ while [ -n "$(jobs -r)" ] && [ "$(left 25)" -gt 1 ]; do sleep 2; done
 sleep 1
 say "all done"
 mkdir -p $R/pack
-for name in ce cetv 16k 32k; do
-    [ -d $R/ft-$name-q8 ] && $PY scripts/drafter_pack.py pack $R/ft-$name-q8 $R/pack/ft-$name
+for run in "${RUNS[@]}"; do
+    name=${run%%:*}
+    [ -d $R/ft-$name-q8 ] && $PY scripts/drafter_pack.py pack $R/ft-$name-q8 $R/pack/ft-$name --reference $SHIPPED
     cp $R/ft-$name/log.jsonl $R/logs/ft-$name.log.jsonl 2>/dev/null
 done
-for rank in 64 128; do
+for rank in 64; do
     [ -d $R/head-r$rank ] && $PY scripts/drafter_pack.py pack $R/head-r$rank $R/pack/head-r$rank --reference $SHIPPED
 done
 cp -r $R/logs $R/pack/

@@ -51,6 +51,17 @@ def test_reduced_head_equals_the_full_heads_columns():
     torch.testing.assert_close(reduced.draft(cache_b, torch.tensor([3])), full.draft(cache_a, torch.tensor([3]))[:, VOCAB_IDS])
 
 
+def test_another_draft_vocabulary_drops_a_markov_head():
+    """A Markov head reads its draft vocabulary's ids: with_draft_vocab leaves it out (fit --draft-vocab on a drafter
+    with one), and the rest of the drafter carries over."""
+    from ddtree.testing import add_markov_head
+
+    target, full = random_pair("llama", seed=5, num_draft_layers=2, block_size=8, init_scale=0.25)
+    reduced = with_draft_vocab(add_markov_head(full, rank=4), VOCAB_IDS, target.lm_head.weight)
+    assert full.markov is not None and reduced.markov is None and reduced.cfg.markov is None
+    torch.testing.assert_close(reduced.fc.weight, full.fc.weight, rtol=0, atol=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_reduced_vocab_drafter_is_lossless_greedy(arch):

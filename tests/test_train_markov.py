@@ -1,4 +1,5 @@
-"""Fitting a Markov head from draft tables (ddtree/train/markov.py): the tables, their resumable chunks, the fit."""
+"""Fitting a Markov head from draft tables (ddtree/train/markov.py): the tables, their resumable chunks, the fit;
+`fit --markov-weight` refusing bad input (the joint loss itself: tests/test_trainer.py)."""
 import json
 
 import numpy as np
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from ddtree.config import ConfigError
+from ddtree.loading import SHIPPED_DRAFTER
 from ddtree.markov import MarkovHead
 from ddtree.testing import random_pair
 from ddtree.train.markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
@@ -65,7 +67,14 @@ def test_tables_are_written_in_resumable_chunks(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["markov-tables", "--out", "x"], "nothing to tabulate"),
     (["markov-fit", "--tables", "/nonexistent", "--out", "{tmp}/o"], "run `python -m ddtree train markov-tables`"),
-    (["markov-fit", "--tables", "t", "--target", "x.gguf", "--out", "{tmp}/o"], "--draft is needed with --target")])
+    (["markov-fit", "--tables", "t", "--target", "x.gguf", "--out", "{tmp}/o"], "--draft is needed with --target"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--markov-weight", "1"], "add --markov-rank R"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--markov-weight", "-1"], "--markov-weight must be >= 0"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--markov-rank", "8"], "add --markov-weight W"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--markov-lr", "1e-3"], "drop --markov-lr"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--resume", "--markov-rank", "8"], "drop --markov-rank"),
+    (["fit", "--data", "d", "--out", "{tmp}/o", "--init-from", str(SHIPPED_DRAFTER), "--markov-weight",
+      "1", "--markov-rank", "8"], "already has a Markov head")])
 def test_markov_commands_refuse_bad_input_before_loading(argv, says, capsys, tmp_path):
     from ddtree.train.cli import main
 

@@ -8,7 +8,7 @@ import torch
 
 from ddtree.api import Pair
 from ddtree.drafter import DFlashDrafter, untrained_drafter
-from ddtree.testing import random_target
+from ddtree.testing import add_markov_head, random_target
 from ddtree.train.data import read_sequences
 from ddtree.train.model import sample_anchors, target_features
 from ddtree.train.trainer import Trainer, drafter_from_checkpoint, resume_config
@@ -52,14 +52,18 @@ def test_fit_loss_drops_and_exported_drafter_is_lossless(tiny_data, tmp_path):
     assert max(taus) > 3.0  # the trained drafter drafts several tokens the target accepts
 
 
-@pytest.mark.parametrize("distill,vocab", [(0.0, None), (0.5, torch.arange(0, 96, 2))], ids=["ce", "distill-vocab"])
-def test_resume_matches_uninterrupted_run(tiny_data, tmp_path, distill, vocab):
+@pytest.mark.parametrize("distill,vocab,markov", [(0.0, None, 0.0), (0.5, torch.arange(0, 96, 2), 0.0),
+                                                   (0.0, torch.arange(0, 96, 2), 1.0)],
+                         ids=["ce", "distill-vocab", "markov-head"])
+def test_resume_matches_uninterrupted_run(tiny_data, tmp_path, distill, vocab, markov):
     target, data = tiny_data
     train = read_sequences(data, "train")[:12]
-    kw = dict(val_sequences=0, distill=distill, distill_topk=4)
-    full = Trainer(train_config(max_steps=6, **kw), target, new_drafter(target, vocab), train, tmp_path / "a")
+    kw = dict(val_sequences=0, distill=distill, distill_topk=4, markov_weight=markov)
+    drafter = (lambda: add_markov_head(new_drafter(target, vocab), candidates=6)) if markov else \
+        (lambda: new_drafter(target, vocab))
+    full = Trainer(train_config(max_steps=6, **kw), target, drafter(), train, tmp_path / "a")
     full.run()
-    part = Trainer(train_config(max_steps=3, **kw), target, new_drafter(target, vocab), train, tmp_path / "b")
+    part = Trainer(train_config(max_steps=3, **kw), target, drafter(), train, tmp_path / "b")
     assert part.run() == "paused"
     drafter, state = drafter_from_checkpoint(tmp_path / "b" / "checkpoint.pt", target)
     cfg = resume_config(state["config"], train_config(max_steps=6, **kw))
@@ -153,6 +157,81 @@ def test_objectives_ce_tv_and_their_sum(distill, vocab):
         assert losses["tv"] == pytest.approx(((1 - q_label) * pw).sum().item() / pw.sum().item(), rel=1e-5)
     with pytest.raises(ValueError, match="objective"):
         DraftLoss(drafter, target, objective="kl")
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 96, 2)], ids=["full-vocab", "draft-vocab"])
+def test_markov_weight_adds_the_heads_conditional_nll(vocab):
+    """markov_weight w adds w x the weighted mean of -log cond(label | true previous token) over block positions
+    2.., checked against the conditional written out over the whole vocabulary (the candidates' log-probs plus
+    the head's bias, renormalized); w = 0 is exactly the loss without a head; the term trains drafter and head;
+    a weight without a head is refused."""
+    import torch.nn.functional as F
+    from ddtree.train.model import DraftLoss, block_inputs, draft_head, drafter_block_hidden
+
+    target = random_target("llama", seed=11)
+    drafter = add_markov_head(new_drafter(target, vocab), candidates=5, strength=0.5).requires_grad_(True)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, target.cfg.vocab_size, (29,), generator=gen)
+    feats = target_features(target, tokens, drafter.cfg.target_layer_ids)
+    anchors = sample_anchors(5, 29, 6, gen)
+    plain, _ = DraftLoss(drafter, target)(tokens, feats, anchors)
+    loss, stats = DraftLoss(drafter, target, markov_weight=0.7)(tokens, feats, anchors)
+    loss.backward()
+    head = drafter.markov
+    assert head.out.grad.abs().max() > 0 and head.proj.grad.abs().max() > 0 and head.scale.grad.abs().max() > 0
+    assert drafter.fc.weight.grad.abs().max() > 0
+    assert vocab is None or drafter.lm_head.weight.grad is None  # a reduced vocabulary's own LM head stays frozen
+    with torch.no_grad():  # the reference: per label, the conditional over the whole vocabulary
+        block, positions, labels = block_inputs(tokens, anchors, drafter.cfg.block_size, drafter.cfg.mask_token_id)
+        hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
+        lp = F.log_softmax(hidden[:, 1:] @ draft_head(drafter, target).T, -1)  # [A, B-1, V]
+        t2d = DraftLoss(drafter, target).t2d
+        weights = DraftLoss(drafter, target).weights
+        num = den = 0.0
+        for a in range(labels.shape[0]):
+            for k in range(1, labels.shape[1]):  # block position k + 1, depth index k
+                label = int(labels[a, k]) if t2d is None or labels[a, k] < 0 else int(t2d[labels[a, k]])
+                if label < 0:
+                    continue
+                cand = lp[a, k].topk(5).indices
+                parent = tokens[positions[a, k]]  # the token before label a + k + 1
+                code = target.model.embed_tokens.weight[parent] @ head.proj
+                logits = lp[a, k].clone()
+                logits[cand] += head.scale[k] * (code @ head.out[:, cand])
+                num -= float(weights[k] * logits.log_softmax(-1)[label])
+                den += float(weights[k])
+    assert float(stats["markov_sum"]) == pytest.approx(num, rel=1e-4)
+    assert float(stats["markov_w"]) == pytest.approx(den, rel=1e-6)
+    assert loss.item() == pytest.approx(plain.item() + 0.7 * num / den, rel=1e-5)
+    headless = new_drafter(target, vocab)
+    headless.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("markov.")})
+    assert DraftLoss(headless, target)(tokens, feats, anchors)[0].item() == plain.item()
+    with pytest.raises(ValueError, match="Markov head"):
+        DraftLoss(headless, target, markov_weight=1.0)
+
+
+def test_a_head_trains_only_with_its_own_weight(tiny_data, tmp_path):
+    """fit with markov_weight > 0 moves the head (and logs its NLL, falling), at its own learning rate where given;
+    with 0 the head stays bit-equal while the drafter trains."""
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:12]
+    for weight in (0.0, 1.0):
+        drafter = add_markov_head(new_drafter(target), candidates=6)
+        before = {k: v.clone() for k, v in drafter.state_dict().items()}
+        cfg = train_config(max_steps=12, val_sequences=2, markov_weight=weight, markov_lr=weight * 1e-2 or None)
+        trainer = Trainer(cfg, target, drafter, train, tmp_path / f"w{weight}", read_sequences(data, "heldout"))
+        assert [g["initial_lr"] for g in trainer.optimizer.param_groups] == [3e-3] * 2 + [1e-2] * (weight > 0)
+        trainer.run()
+        after = trainer.drafter.state_dict()
+        moved = {k for k in before if not torch.equal(before[k], after[k])}
+        assert "fc.weight" in moved and "lm_head.weight" not in moved  # the LM head stays frozen either way
+        head = {"markov.proj", "markov.out", "markov.scale"}
+        assert (head <= moved if weight else not head & moved)
+        log = [json.loads(x) for x in (tmp_path / f"w{weight}" / "log.jsonl").read_text().splitlines()]
+        nll = [r["markov_nll"] for r in log if r["kind"] == "train" and "markov_nll" in r]
+        assert len(nll) == (12 if weight else 0)
+        if weight:
+            assert sum(nll[-3:]) < sum(nll[:3]) and trainer.evaluate()["val_markov_nll"] > 0
 
 
 def test_packed_training_matches_one_pass_per_sequence(tiny_data, tmp_path):

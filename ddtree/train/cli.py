@@ -267,8 +267,34 @@ def _with_taps(drafter, taps, target, seed: int):
     return new.to(drafter.fc.weight.device).bind(target)
 
 
+def _check_markov_args(args) -> None:
+    """--markov-weight / --markov-rank against the drafter they apply to (before the target is loaded)."""
+    if args.markov_weight is not None and args.markov_weight < 0:
+        raise ConfigError(f"--markov-weight must be >= 0, got {args.markov_weight}")
+    if args.resume:
+        if args.markov_rank:
+            raise ConfigError("--markov-rank starts a head; a resumed run keeps its own drafter: drop --markov-rank")
+        return
+    if args.markov_lr is not None and not args.markov_weight:
+        raise ConfigError("--markov-lr is the head's learning rate with --markov-weight: add --markov-weight W, or "
+                          "drop --markov-lr")
+    if args.markov_rank and not args.markov_weight:
+        raise ConfigError("--markov-rank gives the drafter a fresh head, which only --markov-weight trains: "
+                          "add --markov-weight W (e.g. 1)")
+    has_head = False
+    if args.init_from is not None and (cfg := Path(args.init_from) / "config.json").is_file():
+        has_head = MARKOV_KEY in json.loads(cfg.read_text()) and not args.draft_vocab  # another vocabulary drops it
+    if args.markov_rank and has_head:
+        raise ConfigError(f"--init-from {args.init_from} already has a Markov head: drop --markov-rank to train that "
+                          "one, or make a copy without it first (train quantize --drop-markov)")
+    if args.markov_weight and not (has_head or args.markov_rank):
+        raise ConfigError("--markov-weight trains the drafter's Markov head, and this drafter has none: --init-from a "
+                          "drafter with one (markov-fit), or add --markov-rank R (e.g. 64) for a fresh head")
+
+
 def cmd_fit(args) -> int:
     out = output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
+    _check_markov_args(args)
     train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
     target, tokenizer, stops, _ = _load_target(args)
     init_distributed(target.device)
@@ -292,6 +318,10 @@ def cmd_fit(args) -> int:
             print(f"fit: draft vocabulary of {args.draft_vocab} tokens covers {coverage(vocab, train):.2%} of the "
                   f"training and {coverage(vocab, heldout):.2%} of the held-out response tokens", file=sys.stderr)
         drafter = _initial_drafter(args, target, tokenizer, cfg.seed, vocab)
+        if args.markov_rank:
+            m = drafter.cfg.model
+            drafter.set_markov_head(MarkovHead(m.hidden_size, drafter.cfg.draft_vocab, drafter.cfg.block_size - 1,
+                                               args.markov_rank).to(target.device))
         state = None
     drafter = drafter.float().requires_grad_(True)  # fp32 master weights (the target may be bf16)
     trainer = Trainer(cfg, target, drafter, train, out, heldout, tokenizer, stops)
@@ -566,6 +596,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--distill-topk", type=int, help="the teacher distribution is the target's top-k (default 32)")
     f.add_argument("--objective", choices=OBJECTIVES, help="the loss: ce (cross-entropy; default), tv (total "
                    "variation to the same target mix: speculative sampling's rejection probability) or ce+tv")
+    f.add_argument("--markov-weight", type=float, help="train the drafter's Markov head with it: this weight on the "
+                   "head's NLL at block positions 2.. (default 0: a head stays as it is; needs a head: --init-from "
+                   "a drafter with one, or --markov-rank)")
+    f.add_argument("--markov-lr", type=float, help="the head's peak learning rate with --markov-weight (default: --lr)")
+    f.add_argument("--markov-rank", type=cli_int(1), help="give the drafter a fresh Markov head of this rank "
+                   "(the identity at first) for --markov-weight to train")
     f.add_argument("--draft-vocab", type=int, help="a reduced draft vocabulary: the N most frequent response tokens "
                    "of the training data (own head from the target's rows, d2t; default: the full vocabulary)")
     f.add_argument("--seed", type=int, help="drafter init, data order and anchors (default 0)")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..markov import MarkovHead, conditional_logprobs
+from ..markov import MarkovHead, conditional_logprobs, row_log_likelihood
 from .probe import anchor_tables, block_drafts
 
 TABLE_GLOB = "tables_*.npz"
@@ -80,15 +80,6 @@ def _label_index(cand_ids: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """[..., M], [...] -> [...] the label's index among the candidates, -1 when it is not one."""
     hit = (cand_ids == labels[..., None]) & (labels[..., None] >= 0)
     return np.where(hit.any(-1), hit.argmax(-1), -1)
-
-
-def row_log_likelihood(head: MarkovHead, embed: torch.Tensor, cand_lp, cand_ids, label_idx, label_lp, parents,
-                       depths) -> torch.Tensor:
-    """log cond(label | parent) [n] of n (root, depth) rows: tensors [n, M] and [n]."""
-    cond, norm = conditional_logprobs(head, cand_lp, cand_ids, head.code(embed[parents])[:, None, :], depths)
-    cond, norm = cond[:, 0], norm[:, 0]  # one parent per row
-    inside = cond.gather(1, label_idx.clamp(min=0)[:, None])[:, 0]
-    return torch.where(label_idx >= 0, inside, label_lp - norm)
 
 
 def flat_rows(tables: dict[str, np.ndarray], first: bool = False) -> dict[str, torch.Tensor]:

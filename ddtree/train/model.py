@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import Visibility
+from ..markov import row_log_likelihood
 from .fused_ce import head_acceptance_loss, head_soft_cross_entropy, merge_duplicate_ids
 
 
@@ -178,15 +179,24 @@ class DraftLoss(nn.Module):
     1 - sum min(p, q), the rejection probability of speculative sampling (with distill = 0: 1 - q(label)).
     "ce+tv": their sum. With a reduced draft vocabulary the head is the drafter's own (frozen, rows of the
     target's) and targets outside the draft vocabulary carry no weight (a label outside it counts as a miss in
-    the accuracy)."""
+    the accuracy).
 
-    def __init__(self, drafter, target, gamma: float | None = None, distill: float = 0.0, objective: str = "ce"):
+    markov_weight > 0 (a drafter with a Markov head, ddtree/markov.py) adds that weight times the head's
+    teacher-forced NLL, -log cond(label | the true previous token), at block positions 2..B-1 (position 1 has no
+    bias), with the same position weights: the drafter and its head trained together, each block position's
+    candidates taken from the drafter's live log-probs as markov-fit takes them from its tables."""
+
+    def __init__(self, drafter, target, gamma: float | None = None, distill: float = 0.0, objective: str = "ce",
+                 markov_weight: float = 0.0):
         super().__init__()
         if not 0.0 <= distill <= 1.0:
             raise ValueError(f"distill must be within [0, 1], got {distill}")
         if objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-        self.drafter, self.distill, self.objective = drafter, distill, objective
+        if markov_weight < 0 or (markov_weight > 0 and drafter.markov is None):
+            raise ValueError(f"markov_weight must be >= 0 and needs a drafter with a Markov head, got {markov_weight} "
+                             f"for a drafter {'with' if drafter.markov is not None else 'without'} one")
+        self.drafter, self.distill, self.objective, self.markov_weight = drafter, distill, objective, markov_weight
         self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
         b = drafter.cfg.block_size
         self.register_buffer("weights", loss_weights(b, default_gamma(b) if gamma is None else gamma), persistent=False)
@@ -202,12 +212,26 @@ class DraftLoss(nn.Module):
     def _to_draft(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.t2d is None else self.t2d[ids]
 
+    def _markov_nll(self, h: torch.Tensor, label: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor):
+        """The head's -log cond(label | parent) [n] for hidden rows h [n, H], draft labels [n] (>= 0), parents'
+        target ids [n] and depth indices [n] (block position - 1, all >= 1). The rows' full log-probs [n, V] are
+        kept for the backward pass: fine for a reduced draft vocabulary, heavy for a full one."""
+        head = self.drafter.markov
+        lp = (h @ self._head().detach().T).float().log_softmax(dim=-1)  # [n, V]; the LM head stays frozen
+        top = lp.topk(min(head.candidates, lp.shape[-1]), dim=-1)  # [n, M]
+        hit = top.indices == label[:, None]
+        label_idx = torch.where(hit.any(-1), hit.long().argmax(-1), -1)
+        label_lp = lp.gather(1, label[:, None])[:, 0]
+        return -row_log_likelihood(head, self.target.model.embed_tokens.weight, top.values, top.indices, label_idx,
+                                   label_lp, parents, depths)
+
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, dense: bool = False,
                 teacher: tuple[torch.Tensor, torch.Tensor] | None = None, bounds: torch.Tensor | None = None):
         """tokens [T]; features [T, taps*H]; anchors [A]; teacher = (log-probs, ids) [T, K] of the target's
         top-k next-token distribution after each token (needed when distill > 0); bounds [S+1] for a pack of S
         sequences (default: one). Returns (loss, stats): the loss is the sum over sequences of each one's
-        weighted mean; stats = weighted-loss sum, weight sum, correct top-1 count and label count (no grad)."""
+        weighted mean; stats = weighted-loss sum, weight sum, correct top-1 count and label count, and the head's
+        weighted NLL sum and weight sum (zero without markov_weight) (no grad)."""
         cfg = self.drafter.cfg
         seq, _, ends, _ = spans(anchors, tokens.numel(), bounds)
         block, positions, labels = block_inputs(tokens, anchors, cfg.block_size, cfg.mask_token_id, ends)
@@ -240,8 +264,20 @@ class DraftLoss(nn.Module):
         num = torch.zeros(n_seqs, device=loss.device, dtype=loss.dtype).index_add(0, owner, loss * pw)
         den = torch.zeros(n_seqs, device=loss.device, dtype=pw.dtype).index_add(0, owner, pw)
         total = (num / den.clamp(min=1e-6)).sum()
-        return total, {"ce_sum": (loss * pw).sum().detach(), "w_sum": pw.sum(), "correct": hit.sum(),
-                       "labels": valid.sum()}
+        stats = {"ce_sum": (loss * pw).sum().detach(), "w_sum": pw.sum(), "correct": hit.sum(), "labels": valid.sum(),
+                 "markov_sum": torch.zeros((), device=loss.device), "markov_w": torch.zeros((), device=loss.device)}
+        if self.markov_weight > 0:
+            depth = torch.arange(cfg.block_size - 1, device=labels.device).expand_as(labels)[valid]  # [n]
+            keep = (label >= 0) & (depth > 0)  # a true draft token, at a position the head biases
+            parents = tokens[(positions[:, 1:] - 1).clamp(max=tokens.numel() - 1)][valid]  # [n] token a+k-1 (target id)
+            nll = torch.zeros_like(loss)
+            nll[keep] = self._markov_nll(h[keep], label[keep], parents[keep], depth[keep]).to(nll.dtype)
+            mw = pw * keep
+            num = torch.zeros(n_seqs, device=loss.device, dtype=nll.dtype).index_add(0, owner, nll * mw)
+            den = torch.zeros(n_seqs, device=loss.device, dtype=mw.dtype).index_add(0, owner, mw)
+            total = total + self.markov_weight * (num / den.clamp(min=1e-6)).sum()
+            stats.update(markov_sum=(nll * mw).sum().detach(), markov_w=mw.sum())
+        return total, stats
 
 
 @torch.no_grad()

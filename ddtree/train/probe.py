@@ -9,19 +9,21 @@ one pass each, with no decoding. tau here = 1 + the mean accepted length over po
 only the positions it lands on; `tests/test_probe.py` checks that on those it accepts exactly what the engine
 accepts). Every tree is built from a draft of the whole block, as the engine's `dflash` and `ddtree` from budget
 7 on draft; below that `ddtree` drafts budget + 1 positions (engine.DDTree), whose distributions differ slightly
-(tau moved by -1.1% to +0.6% at budgets 2 and 4 when that was measured).
+(tau moved by -1.1% to +0.6% at budgets 2 and 4 when that was measured). With a Markov head every root's trees
+are the engine's own (markov.head_tree_nodes); tree_tau over cached tables (markov-fit's held-out figures) builds
+them from fp16 log-probs over the tables' candidates instead, near but not always equal.
 
     python -m ddtree train probe --data data/smollm2-v5 --split heldout --budgets 1,2,4,8,32
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..markov import MarkovHead, conditional_best_first, conditional_logprobs
+from ..markov import (SMALL_TREE_CANDIDATES, MarkovHead, candidate_count, conditional_best_first,
+                      conditional_logprobs, head_tree_nodes)
 from ..tree import best_first_nodes
 from .model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
 
@@ -121,13 +123,7 @@ def tree_tau_sums(tables, budgets, head=None, embed=None, to_target=None, batch:
         for i in range(cond.shape[0]):
             labels = tables["labels"][s + i]
             parents_, _, tokens, _ = conditional_best_first(ids[i], cond[i], max(budgets))
-            path, node = [], 0
-            children = {(int(p), t): j + 1 for j, (p, t) in enumerate(zip(parents_[1:], tokens))}
-            for lab in labels.tolist():
-                node = children.get((node, lab), -1) if lab >= 0 else -1
-                if node < 0:
-                    break
-                path.append(node)
+            path = _true_path(parents_, tokens, labels)
             row = np.array([1, bool(path) and path[0] == 1, *(sum(j <= b for j in path) for b in budgets)],
                            dtype=np.float64)
             for g in (str(tables["group"][s + i]), "all"):
@@ -157,29 +153,52 @@ def _rank_paths(logprobs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
     return paths[1:]
 
 
+def head_accepted_lengths(drafter, logprobs: torch.Tensor, root: int, labels: np.ndarray, budgets) -> list[int]:
+    """One position with a Markov head: the draft tokens accepted by the engine's own tree of each budget
+    (markov.head_tree_nodes: its candidate count per budget, its double arithmetic), given the block's log-probs
+    [D, V], the root's target id and the true tokens as draft ids [D] (-1: none). Budgets that draw on the same
+    candidates share one tree: its pop order is a prefix per budget."""
+    out = {}
+    by_m: dict[int, list[int]] = {}  # candidates per position -> the budgets drawing on that many
+    for b in budgets:
+        m = candidate_count(drafter.markov, max(SMALL_TREE_CANDIDATES, b), logprobs.shape[-1])
+        by_m.setdefault(m, []).append(b)
+    for group in by_m.values():
+        parents, _, ids, _ = head_tree_nodes(drafter, logprobs, torch.tensor(root), max(group))
+        path = _true_path(parents, ids.tolist(), labels)
+        out.update({b: sum(j <= b for j in path) for b in group})
+    return [out[b] for b in budgets]
+
+
+def _true_path(parents: np.ndarray, tokens: list[int], labels: np.ndarray) -> list[int]:
+    """The nodes (1-based, pop order) on the true continuation labels [D], while the tree holds it."""
+    children = {(int(p), t): j + 1 for j, (p, t) in enumerate(zip(parents[1:].tolist(), tokens))}
+    path, node = [], 0
+    for lab in labels.tolist():
+        node = children.get((node, lab), -1) if lab >= 0 else -1
+        if node < 0:
+            break
+        path.append(node)
+    return path
+
+
 def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, progress=None) -> dict:
     """sequences: (tokens, prompt_len, group) triples. Returns per group (and "all"): positions, top1 (the
-    first block position's), tau per budget."""
+    first block position's), tau per budget. With a Markov head every tree is the engine's (head_accepted_lengths)."""
     budgets = tuple(budgets)
     sums: dict[str, np.ndarray] = {}
-    if drafter.markov is not None:  # each node's children from its own conditional (ddtree/markov.py)
-        # the trees are built on the host: the head, the embedding and the id map there (the passes may be on a GPU)
-        head, embed = copy.deepcopy(drafter.markov).cpu(), target.model.embed_tokens.weight.detach().cpu()
-        device = target.model.embed_tokens.weight.device
-
-        def to_target(ids):
-            return drafter.to_target_ids(ids.to(device)).cpu()
-        for tokens, prompt_len, group in sequences:
-            tables = anchor_tables(block_drafts(target, drafter, tokens, prompt_len), tokens, k)
-            tables["group"] = np.array([group] * len(tables["labels"]))
-            tree_tau_sums(tables, budgets, head, embed, to_target, sums=sums)
-            if progress is not None:
-                progress()
-        return _averages(sums, budgets)
     for tokens, prompt_len, group in sequences:
-        drafts = anchor_drafts(target, drafter, tokens, prompt_len, k)
-        for lp, rk in zip(drafts.logprobs, drafts.ranks):
-            row = np.array([1, rk[0] == 0, *accepted_lengths(lp, rk, budgets)], dtype=np.float64)
+        if drafter.markov is not None:
+            drafts = block_drafts(target, drafter, tokens, prompt_len)
+            labels, roots = drafts.labels.cpu().numpy(), np.asarray(tokens)[drafts.anchors.cpu().numpy()]
+            rows = [(lab[0] >= 0 and int(drafts.logprobs[i, 0].argmax()) == lab[0],
+                     head_accepted_lengths(drafter, drafts.logprobs[i], int(roots[i]), lab, budgets))
+                    for i, lab in enumerate(labels)]
+        else:
+            drafts = anchor_drafts(target, drafter, tokens, prompt_len, k)
+            rows = [(rk[0] == 0, accepted_lengths(lp, rk, budgets)) for lp, rk in zip(drafts.logprobs, drafts.ranks)]
+        for top1, accepted in rows:
+            row = np.array([1, top1, *accepted], dtype=np.float64)
             for g in (group, "all"):
                 sums[g] = sums.get(g, 0) + row
         if progress is not None:

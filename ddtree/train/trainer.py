@@ -30,6 +30,7 @@ from .data import Sequence
 from .model import DraftLoss, sample_anchors, target_features_packed
 
 CHECKPOINT = "checkpoint.pt"
+STAT_KEYS = ("ce_sum", "w_sum", "correct", "labels", "markov_sum", "markov_w")  # DraftLoss's stats, summed per step
 RUNTIME_FIELDS = ("pack_tokens", "checkpoint_every", "max_minutes", "max_steps", "eval_every", "eval_prompts",
                   "eval_max_new_tokens", "eval_ddtree_budget", "val_sequences", "feature_cache", "progress")
 
@@ -50,6 +51,8 @@ class TrainConfig:
     distill: float = 0.0  # weight of the target's own distribution in the loss (0 = hard labels only)
     distill_topk: int = 32  # the teacher distribution is the target's top-k, renormalized
     objective: str = "ce"  # "ce", "tv" (total variation: speculative sampling's rejection) or "ce+tv" (model.DraftLoss)
+    markov_weight: float = 0.0  # > 0: train the drafter's Markov head with it, this weight on its NLL (model.DraftLoss)
+    markov_lr: float | None = None  # the head's peak learning rate (None: lr), on the same schedule
     seed: int = 0
     bf16: bool = False  # autocast; only worth it on GPUs and CPUs with bf16 units
     # runtime (may change on --resume)
@@ -153,18 +156,24 @@ class Trainer:
         self.rank, self.world = _rank_world()
         if not self.train_seqs:
             raise ValueError("no training sequences")
-        self.loss_model = DraftLoss(drafter, target, cfg.gamma, cfg.distill, cfg.objective).to(self.device)
+        if drafter.markov is not None:  # a head is trained only with its own loss term; else it stays as it is
+            drafter.markov.requires_grad_(cfg.markov_weight > 0)
+        self.loss_model = DraftLoss(drafter, target, cfg.gamma, cfg.distill, cfg.objective,
+                                    cfg.markov_weight).to(self.device)
         self.model = self.loss_model
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = DistributedDataParallel(self.loss_model, device_ids=ids)
-        params = [p for p in drafter.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]  # norms
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+        head = [p for n, p in params if n.startswith("markov.")]  # no decay, as markov-fit
+        decay = [p for n, p in params if p.ndim >= 2 and not n.startswith("markov.")]
+        no_decay = [p for n, p in params if p.ndim < 2 and not n.startswith("markov.")]  # norms
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if head:
+            groups.append({"params": head, "weight_decay": 0.0, "lr": cfg.markov_lr or cfg.lr})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         self.steps_per_epoch = len(self.train_seqs) // (cfg.seqs_per_step * self.world)
         if self.steps_per_epoch < 1:
             raise ValueError(f"{len(self.train_seqs)} training sequences are fewer than one step needs "
@@ -235,7 +244,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.drafter.train()
         epoch, indices = self._step_sequences(self.step)
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # ce_sum, w_sum, correct, labels
+        totals = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.device)
         examples = self._examples([self.train_seqs[idx] for idx in indices],
                                   [((self.cfg.seed * 1_000_003 + epoch) * 1_000_003 + idx) % 2**62 for idx in indices])
         seq_tokens = sum(e[0].numel() for e in examples)
@@ -248,8 +257,7 @@ class Trainer:
                 with torch.autocast(self.device.type, torch.bfloat16, enabled=self.cfg.bf16):
                     loss, st = self.model(tokens, feats, anchors, teacher=teacher, bounds=bounds)
                 (loss / len(indices)).backward()  # loss sums the pack's per-sequence means
-            totals += torch.stack([st["ce_sum"].double(), st["w_sum"].double(), st["correct"].double(),
-                                   st["labels"].double()])
+            totals += torch.stack([st[k].double() for k in STAT_KEYS])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -260,11 +268,18 @@ class Trainer:
             dist.all_reduce(counts)
         self.step += 1
         self.label_tokens += int(counts[3])
-        self.seq_tokens += int(counts[4])
+        self.seq_tokens += int(counts[-1])
         self.train_seconds += time.perf_counter() - t0
         return {"kind": "train", "step": self.step, "epoch": epoch, "lr": lr, "loss": float(counts[0] / counts[1]),
-                "acc": float(counts[2] / counts[3]), "grad_norm": float(grad_norm), "label_tokens": self.label_tokens,
-                "seq_tokens": self.seq_tokens, "train_seconds": round(self.train_seconds, 2)}
+                "acc": float(counts[2] / counts[3]), **self._markov_record(counts), "grad_norm": float(grad_norm),
+                "label_tokens": self.label_tokens, "seq_tokens": self.seq_tokens,
+                "train_seconds": round(self.train_seconds, 2)}
+
+    def _markov_record(self, totals, prefix: str = "") -> dict:
+        """{"markov_nll": the head's weighted mean NLL} from totals in STAT_KEYS order, when the head is trained."""
+        if self.cfg.markov_weight <= 0:
+            return {}
+        return {prefix + "markov_nll": float(totals[4] / max(float(totals[5]), 1e-12))}
 
     # --- evaluation ---------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -275,13 +290,13 @@ class Trainer:
                "train_seconds": round(self.train_seconds, 2)}
         val = self.heldout[: self.cfg.val_sequences]
         if val:
-            totals = torch.zeros(4, dtype=torch.float64)
+            totals = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
             for i, seq in enumerate(val):
                 (tokens, feats, anchors, teacher), = self._examples([seq], [1_000_003 + i])
                 _, st = self.loss_model(tokens, feats, anchors, teacher=teacher)
-                totals += torch.tensor([float(st[k]) for k in ("ce_sum", "w_sum", "correct", "labels")],
-                                       dtype=torch.float64)
-            out.update(val_loss=float(totals[0] / totals[1]), val_acc=float(totals[2] / totals[3]))
+                totals += torch.tensor([float(st[k]) for k in STAT_KEYS], dtype=torch.float64)
+            out.update(val_loss=float(totals[0] / totals[1]), val_acc=float(totals[2] / totals[3]),
+                       **self._markov_record(totals, "val_"))
         prompts = [s.tokens[: s.prompt_len] for s in (self.heldout or self.train_seqs)[: self.cfg.eval_prompts]]
         if prompts:
             out["tau_prompts"] = "heldout" if self.heldout else "train"  # no held-out data: say so in the record

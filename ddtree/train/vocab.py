@@ -42,10 +42,12 @@ def coverage(ids: torch.Tensor, seqs: list[Sequence]) -> float:
 
 def with_draft_vocab(drafter, ids: torch.Tensor, head_weight: torch.Tensor):
     """A copy of `drafter` predicting over the draft vocabulary `ids`: the same layers, its own head made of
-    the rows `ids` of `head_weight` [V, H] (the target's LM head)."""
-    cfg = replace(drafter.cfg, draft_vocab_size=int(ids.numel()))
+    the rows `ids` of `head_weight` [V, H] (the target's LM head). A Markov head is left out: it reads the old
+    draft vocabulary."""
+    cfg = replace(drafter.cfg, draft_vocab_size=int(ids.numel()), markov=None)
     new = DFlashDrafter(cfg, drafter.attention_backend)
-    own = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t")}
+    own = {k: v for k, v in drafter.state_dict().items()
+           if k not in ("lm_head.weight", "d2t") and not k.startswith("markov.")}
     missing, unexpected = new.load_state_dict(own, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight", "d2t"}, (missing, unexpected)
     new = new.to(drafter.fc.weight.device, drafter.fc.weight.dtype)
