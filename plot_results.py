@@ -12,7 +12,9 @@
     trace_calibration  drafter calibration: a path's draft probability vs how often it is accepted, and the
                        accepted path's draft probability by its length
 
-Speedups are the benchmark's own rows (ddtree.runner: method tokens/s / ar tokens/s on the same prompts).
+Speedups are the benchmark's own rows (ddtree.runner: method tokens/s / ar tokens/s on the same prompts), end to
+end and decode only (dashed), medians over the timed repeats with their range as error bars; a cell the benchmark
+flagged (a busy machine, or repeats that disagree) is ringed in red and marked †.
 
 By default only the records of the last benchmark run (RESULTS/last_run.json) are plotted; --all plots every
 record in the directory (mixing configurations is then your responsibility).
@@ -46,10 +48,19 @@ def read_results(results: Path, everything: bool) -> tuple[list[dict], dict]:
     manifest = results / "last_run.json"
     env = {}
     if manifest.is_file():
-        last = json.loads(manifest.read_text())
-        env = last.get("env", {})
+        try:
+            last = json.loads(manifest.read_text())
+            keys, env = list(last["keys"]), dict(last.get("env", {}))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{manifest} is damaged ({type(e).__name__}: {e}); run the benchmark again to rewrite "
+                              f"it, or plot every record with --all") from None
         if not everything:
-            records = {k: records[k] for k in last["keys"] if k in records}
+            kept = {k: records[k] for k in keys if k in records}
+            if records and not kept:
+                raise ConfigError(f"{results} holds {len(records)} records, but none of the last run's "
+                                  f"({manifest} names {len(keys)} others, from a run whose records are gone): plot "
+                                  f"them all with --all, or run the benchmark again")
+            records = kept
     recs = list(records.values())
     if not env and recs:
         env = recs[-1].get("env", {})
@@ -83,19 +94,44 @@ def grid(cells: list[tuple[str, str]], title: str, width: float = 4.6, height: f
     return fig, panels
 
 
+FLAG_COLOR = "#d62728"  # flagged cells: the machine was busy or the repeats disagreed (summary.md says why)
+
+
+def _flag(r: dict) -> str:
+    return " †" if r.get("flagged") else ""
+
+
+def _error_bars(tree: list[dict], key: str):
+    """[[below], [above]] the medians: the range over the repeats (zero for tau, which does not vary)."""
+    spans = [r.get(f"{key}_range") or [r[key], r[key]] for r in tree]
+    return [[max(0.0, r[key] - lo) for r, (lo, _) in zip(tree, spans)],
+            [max(0.0, hi - r[key]) for r, (_, hi) in zip(tree, spans)]]
+
+
 def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float | None):
+    """One panel per cell: DDTree over its fixed budgets (medians, bars: the range over the repeats; with
+    key="speedup" also the decode-only speedup, dashed), the other methods as level lines, flagged cells in red."""
     fig, panels = grid(cells, title)
     for cell, ax in panels.items():
         cell_rows = [r for r in rows if cell_of(r) == cell]
         specs = {r["method"]: MethodSpec.parse(r["method"]) for r in cell_rows}
         tree = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)), key=lambda r: r["budget"])
         if tree:
-            ax.plot([r["budget"] for r in tree], [r[key] for r in tree], "o-", color="#dd8452", lw=2, label="DDTree")
+            budgets = [r["budget"] for r in tree]
+            ax.errorbar(budgets, [r[key] for r in tree], yerr=_error_bars(tree, key), fmt="o-", color="#dd8452",
+                        lw=2, capsize=3, label="DDTree, end to end" if key == "speedup" else "DDTree")
+            if key == "speedup" and all(r.get("decode_speedup") is not None for r in tree):
+                ax.errorbar(budgets, [r["decode_speedup"] for r in tree], yerr=_error_bars(tree, "decode_speedup"),
+                            fmt="s--", color="#8c564b", lw=1.5, capsize=3, ms=4, label="DDTree, decode only")
             for r in tree:
-                ax.annotate(f"{r[key]:.2f}", (r["budget"], r[key]), textcoords="offset points", xytext=(0, 7),
-                            ha="center", fontsize=8)
+                if r.get("flagged"):  # a red ring: the machine may have made this point
+                    ax.plot([r["budget"]], [r[key]], "o", ms=13, mfc="none", mec=FLAG_COLOR, mew=2)
+                ax.annotate(f"{r[key]:.2f}{_flag(r)}", (r["budget"], r[key]), textcoords="offset points",
+                            xytext=(0, 7), ha="center", fontsize=8, color=FLAG_COLOR if r.get("flagged") else "black")
+            if any(r.get("flagged") for r in tree):
+                ax.plot([], [], "o", ms=10, mfc="none", mec=FLAG_COLOR, mew=2, label="† flagged (busy or spread)")
             ax.set_xscale("log", base=2)
-            ax.set_xticks([r["budget"] for r in tree], [str(r["budget"]) for r in tree])
+            ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.minorticks_off()
         for r in cell_rows:
             spec = specs[r["method"]]
@@ -103,17 +139,20 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
                 continue
             if not spec.info.takes_budget and (key == "speedup" or not spec.peer):  # peers: speed only
                 name, color = spec.info.style(spec.variant)
-                ax.axhline(r[key], color=color, ls=spec.info.linestyle, lw=1.5, label=f"{name} ({r[key]:.2f})")
+                ax.axhline(r[key], color=color, ls=spec.info.linestyle, lw=1.5,
+                           label=f"{name} ({r[key]:.2f}{_flag(r)})")
             if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
                 chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
                 ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
-                           label=f"DDTree auto ({r[key]:.2f}, mean budget {chosen:.0f})")
+                           label=f"DDTree auto ({r[key]:.2f}{_flag(r)}, mean budget {chosen:.0f})")
                 ax.plot([chosen], [r[key]], "*", color="#55a868", ms=13)
         if ar_value is not None:
             ax.axhline(ar_value, color="black", ls=":", lw=1.2, label=f"AR ({ar_value:g})")
         ax.set_xlabel("DDTree budget (draft nodes per step, log scale)")
         ax.set_ylabel(ylabel)
         ax.set_ylim(bottom=0, top=max([ax.get_ylim()[1]] + [r[key] * 1.15 for r in cell_rows]))
+        if any(r.get("flagged") for r in cell_rows):
+            ax.set_title(ax.get_title() + "  († flagged)", fontsize=11, color=FLAG_COLOR)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best")
     return fig
@@ -240,7 +279,11 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="plot every record, not only the last run's")
     args = p.parse_args(argv)
     results = Path(args.results)
-    records, env = read_results(results, args.all)
+    try:
+        records, env = read_results(results, args.all)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not records:
         print(f"error: no benchmark records in {results} (run `bash run_benchmark.sh --out {results}` first)",
               file=sys.stderr)
@@ -256,10 +299,12 @@ def main(argv=None) -> int:
     drafter = env.get("drafter", "?")
     modes = env.get("modes") or {"float": env.get("dtype", "")}  # mode -> its dtype (older runs: one mode)
     where = (f"{env.get('target', '')}, {env.get('gpu') or env.get('cpu', '')}, "
-             + "; ".join(f"{mode}: {dtype}" for mode, dtype in modes.items()))
+             + "; ".join(f"{mode}: {dtype}" for mode, dtype in modes.items())
+             + f"; medians over {env.get('repeats', 1)} timed repeat(s), bars: their range")
     note = " (random weights: measures overhead, not the method)" if drafter == "untrained" else ""
     figures = {
-        "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (tokens/s ratio, same prompts)",
+        "speedup_vs_budget": budget_curve(rows, cells, "speedup", "speedup over AR (tokens/s ratio, same prompts;\n"
+                                          "end to end, and decode only dashed)",
                                           f"Speedup vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),
         "tau_vs_budget": budget_curve(rows, cells, "tau", "tau (tokens per target pass)",
                                       f"Acceptance length vs DDTree budget - drafter: {drafter}{note}\n{where}", 1.0),

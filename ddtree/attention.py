@@ -3,7 +3,7 @@
 Queries are the N new tokens of a pass; keys/values are the cached rows [0, past_len + N): the committed
 past (always visible) followed by the N new rows, whose visibility among themselves is described by a
 `Visibility`. Backends: "sdpa" (PyTorch scaled_dot_product_attention, the CPU path) and "triton" (the
-tree-attention kernel in ddtree.kernels, used automatically on CUDA). A model holds its backend already
+tree-attention kernel in kernels/tree_attention.py, used automatically on CUDA). A model holds its backend already
 resolved (`resolve_backend`, at load): passes never look at the environment.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError
+from .kernel_files import kernel_module
 from .knobs import env_choice
 
 BACKENDS = ("auto", "sdpa", "triton")
@@ -61,8 +62,7 @@ class Visibility:
     def bits(self, n: int, device) -> torch.Tensor:
         """Packed visibility bits int32 [N, ceil(N / 32)] for the Triton kernel (all set when ancestors is None)."""
         if self._bits is None:
-            from .kernels.tree_attention import pack_ancestor_bits
-
+            pack_ancestor_bits = kernel_module("tree_attention").pack_ancestor_bits
             vis = self.ancestors if self.ancestors is not None else torch.ones(n, n, dtype=torch.bool, device=device)
             self._bits = pack_ancestor_bits(vis)
         return self._bits
@@ -101,7 +101,7 @@ def _triton_problem(cuda: bool) -> str | None:
         return ("it needs a CUDA GPU (on a CPU only Triton's interpreter runs it, slowly, for tests: set "
                 "TRITON_INTERPRET=1 before triton is imported)")
     try:
-        from .kernels import tree_attention  # noqa: F401
+        kernel_module("tree_attention")
     except ImportError as e:
         return f"triton does not import ({e}); pip install triton"
     return None
@@ -111,8 +111,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, b
     """q [Hq, N, D]; k, v [Hkv, past_len + N, D] (views of the cache). Returns [Hq, N, D]."""
     hq, n, d = q.shape
     if backend == "triton" and vis.past is None:
-        from .kernels.tree_attention import tree_attention
-
+        tree_attention = kernel_module("tree_attention").tree_attention
         # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key
         # blocks past each tile's last node; the drafter's all-visible block is not.
         return tree_attention(q, k, v, vis.past_len, vis.bits(n, q.device), causal_tree=vis.lower_triangular)

@@ -30,8 +30,11 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
+import traceback
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,34 +43,36 @@ import torch
 from . import api
 from .api import QUANTS
 from .config import ConfigError, add_arithmetic_args, cli_int
-from .cost_cache import machine_name
+from .cache import build_lock
 from .datasets import dataset_name, load_prompt_items
 from .files import output_dir
+from .machine_load import LoadMeter, busy_cores, cpu_description
 from .method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
-from .runner import RunSettings, run_prompt, summarize_methods
+from .runner import LOAD_LIMIT, SPREAD_LIMIT, RunSettings, run_prompt, summarize_methods
 from .stats import STAGES
 
 # Presets: values used for options not given on the command line.
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
-    # that pay on a CPU (where narrow passes read exact GGUF blocks) and the larger ones that pay where verifying
-    # is cheap (bf16 on AMX), and auto, greedy and sampled, on the three sets, in both target modes on a CPU (the
-    # float model and llama.cpp's integer activations). Sized from per-token costs (docs/cpu-speed.md has the
-    # sizing); the run prints its own estimate after the warm-up.
+    # that pay on a CPU (where narrow passes read exact GGUF blocks; 3 was the best fixed budget on code in the
+    # integer mode) and 8, and auto, greedy and sampled, on the three sets, in both target modes on a CPU (the
+    # float model and llama.cpp's integer activations), every run timed twice, interleaved. The run prints its
+    # own estimate after the warm-up.
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
     # llama-cpp-python and are skipped with a message without it.
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                   methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                  budgets="2,4,8,16,auto", num_prompts=2, max_new_tokens=64, quant="auto"),
+                  budgets="2,3,4,8,auto", num_prompts=2, max_new_tokens=64, quant="auto", repeats=2),
     # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
     # minutes on one GPU.
     "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
-                 budgets="2,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256, quant="auto"),
+                 budgets="2,3,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256, quant="auto",
+                 repeats=3),
     # For tests: a couple of minutes including model loading.
     "tiny": dict(datasets="humaneval,mt-bench,gsm", temperatures="0", methods="ar,dflash,ddtree", budgets="16",
-                 num_prompts=2, max_new_tokens=8, quant="float"),
+                 num_prompts=2, max_new_tokens=8, quant="float", repeats=2),
 }
 
 # The target modes a run can compare (`--quant`): "float" is load(quant=None), the reference model in the
@@ -91,6 +96,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "without llama-cpp-python); ar is always run (it is the reference) (default: the preset's)")
     p.add_argument("--budgets", help="DDTree budgets for plain `ddtree`: integers >= 1 (draft nodes per step) or auto")
     p.add_argument("--num-prompts", type=cli_int(1), help="first N prompts of each dataset")
+    p.add_argument("--repeats", type=cli_int(1),
+                   help="time each prompt x method this many times, round after round (interleaved with the other "
+                        "methods); a cell reports the median and range over them (default: the preset's: quick 2, "
+                        "full 3, tiny 2)")
+    p.add_argument("--no-retime", action="store_true",
+                   help="do not time again, once, the prompts whose runs met a busy machine (other processes on "
+                        f"more than {LOAD_LIMIT} cores); they stay flagged")
+    p.add_argument("--update-readme", metavar="PATH", nargs="?", const="README.md",
+                   help="write this run's headline tables into PATH (default: README.md, in a checkout's root) "
+                        "between its benchmark-results markers")
     p.add_argument("--max-new-tokens", type=cli_int(1))
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -112,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: the preset's: auto; --tiny: float)")
     add_arithmetic_args(p)
     p.add_argument("--threads", type=cli_int(1),
-                   help="torch CPU threads per process (default: cores / processes; 1 on a shared machine)")
+                   help="torch CPU threads per process (default: the cores other processes leave free / processes)")
     p.add_argument("--sync-stages", action="store_true",
                    help="on CUDA: synchronize at every stage edge, so each stage column carries its own GPU time "
                         "(off: the columns are host times and the speed figures are measured without the syncs)")
@@ -183,7 +198,7 @@ def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     """One group per dataset x temperature x prompt of target mode `mode` (run on `pair`); each group lists a
     keyed record slot per method."""
     base = dict(target=args.target or "embedded:SmolLM2-135M-Instruct", drafter=drafter_fingerprint(pair),
-                dtype=dtype_label(pair), device=pair.device.type, threads=args.threads,
+                dtype=dtype_label(pair), device=pair.device.type, threads=args.threads, repeats=args.repeats,
                 max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, block_size=args.block_size,
                 attention=args.attention, **({"inject_mismatch": True} if args.inject_mismatch else {}),
                 **({"traces": True} if args.traces else {}))
@@ -218,9 +233,12 @@ def load_records(out: Path) -> dict[str, dict]:
     return records
 
 
-def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> list[dict]:
+def run_group(pair, group, args, env, sinks, progress, inject: list, peers, meter: LoadMeter,
+              attempt: int = 1) -> list[dict]:
     """Decode one prompt with every method (runner.run_prompt: ar first, greedy outputs checked against it),
-    append the records (and with --traces their per-step traces) to the sinks."""
+    --repeats times round after round (so each method's repeats are interleaved with the others'), each run with
+    the machine's load while it ran; merge each method's repeats into one record and append the records (and with
+    --traces the first round's per-step traces) to the sinks."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
                            trace=args.traces, stop=group["stop"])
     fields = dict(mode=group["mode"], dataset=group["dataset"], temperature=group["temperature"],
@@ -236,22 +254,53 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers) -> l
             rec["injected_mismatch_at"] = pos
         return tokens
 
-    def on_record(rec):
-        rec.update(key=keys[rec["method"]], **fields, env=env,
-                   finished_at=time.time())
+    def on_run(rec):
+        rec["load"] = meter.lap()  # other processes' cores during this run (and its check)
+        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
+                                 f"{rec['method']}")
+        progress.update(1)
+
+    specs = [slot["spec"] for slot in group["slots"]]
+    meter.lap()  # the first run's lap starts here
+    rounds = [run_prompt(pair, group["prompt"], specs, settings, group["seed"], peers, tamper, on_run)
+              for _ in range(args.repeats)]
+    merged = []
+    for runs in zip(*rounds):
+        rec = merge_repeats(list(runs))
+        rec.update(key=keys[rec["method"]], **fields, attempt=attempt, env=env, finished_at=time.time())
         if rec["check"] == "error":
             shout_error(rec)
         for i, step in enumerate(rec.pop("trace", None) or []):
             sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, **fields, **step))
                                   + "\n")
         sinks["records"].write(json.dumps(rec) + "\n")
-        sinks["records"].flush()
-        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
-                                 f"{rec['method']}")
-        progress.update(1)
+        merged.append(rec)
+    sinks["records"].flush()
+    return merged
 
-    specs = [slot["spec"] for slot in group["slots"]]
-    return run_prompt(pair, group["prompt"], specs, settings, group["seed"], peers, tamper, on_record)
+
+def merge_repeats(runs: list[dict]) -> dict:
+    """One record from a method's repeated runs of one prompt: the first run's tokens, checks and counts (every
+    run decodes the same tokens: greedy, or sampled with the same seed; a difference is recorded), each run's
+    timing and load under `repeats`, and the medians as the record's own times."""
+    first = runs[0]
+    rec = {k: v for k, v in first.items() if k != "load"}
+    rec["repeats"] = [dict(seconds=r["seconds"], time_to_first_token=r["time_to_first_token"], load=r.get("load"))
+                      for r in runs]
+    for name in ("seconds", "time_to_first_token"):
+        rec[name] = statistics.median(r[name] for r in runs)
+    rec["stage_seconds"] = {stage: statistics.median(r["stage_seconds"].get(stage, 0.0) for r in runs)
+                            for stage in first["stage_seconds"]}
+    rec["tokens_per_second"] = rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
+    rec["decode_seconds"] = max(0.0, rec["seconds"] - rec["time_to_first_token"])
+    loads = [r["load"] for r in runs if r.get("load") is not None]
+    rec["load"] = max(loads) if loads else None
+    failed = next((r for r in runs if r["check"] == "error"), None)  # a failed check in any run fails the record
+    if failed is not None:
+        rec["check"], rec["check_detail"] = failed["check"], failed.get("check_detail", "")
+    if any(r["token_ids"] != first["token_ids"] for r in runs[1:]):
+        rec["repeats_differ"] = True  # not a lossless failure (each run is checked), but worth knowing
+    return rec
 
 
 WARMUP_TOKENS = 8
@@ -265,11 +314,11 @@ def _prompt_of(group: dict) -> tuple:
 def estimate_seconds(measured: list[dict], groups: list[dict], args) -> float:
     """Seconds the runs of `groups` should take, from `measured` records (each with its target `mode`): per mode
     and method its prefill plus its seconds per generated token times max_new_tokens (what was not measured takes
-    the slowest one's)."""
+    the slowest one's), times the repeats."""
     rates = {(r["mode"], r["method"]): (r["time_to_first_token"], (r["seconds"] - r["time_to_first_token"]) /
                                         max(1, r["new_tokens"] - 1)) for r in measured}
     slowest = max(rates.values(), key=lambda rate: rate[1], default=(0.0, 0.0))
-    return sum(first + per_token * args.max_new_tokens
+    return getattr(args, "repeats", 1) * sum(first + per_token * args.max_new_tokens
                for g in groups for slot in g["slots"]
                for first, per_token in [rates.get((g["mode"], slot["method"]), slowest)])
 
@@ -290,11 +339,11 @@ def shout_error(rec: dict) -> None:
           f"{rec['method']}: {rec.get('check_detail', '')}\n{bar}", file=sys.stderr, flush=True)
 
 
-def default_threads(world: int) -> int:
-    """Cores per process: on an idle machine two threads make a plain decoding step faster than one; but
-    threads contending with another busy process run several times slower (OpenMP spin-waits), so pass
-    --threads 1 on a shared machine."""
-    return max(1, (os.cpu_count() or 1) // world)
+def default_threads(world: int, busy: float | None = None) -> int:
+    """Cores per process, leaving out the cores other processes keep busy (`busy`, machine_load.busy_cores): on
+    an idle machine two threads make a plain decoding step faster than one, but threads contending with another
+    busy process run several times slower (OpenMP spin-waits)."""
+    return max(1, ((os.cpu_count() or 1) - round(busy or 0.0)) // world)
 
 
 def init_distributed(args) -> tuple[int, int]:
@@ -341,9 +390,9 @@ def environment(pair, threads: int, world: int) -> dict:
 
     return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 device=str(pair.device), dtype=dtype_label(pair), threads=threads,
-                world_size=world, cpu=machine_name("cpu"), target=pair.name, drafter=pair.drafter.label,
+                world_size=world, cpu=cpu_description(), target=pair.name, drafter=pair.drafter.label,
                 gpu=torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
-                git_commit=_git_commit())
+                git_commit=_git_commit(), date=time.strftime("%Y-%m-%d"))
 
 
 def _git_commit() -> str | None:
@@ -380,32 +429,144 @@ def summarize(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
     return rows
 
 
-COLUMNS = ["mode", "dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup"] + \
-    [f"{s} ms/tok" for s in STAGES] + ["agrees with ar", "tie flips", "errors"]
+COLUMNS = ["mode", "dataset", "T", "method", "prompts", "tau", "nodes/step", "tok/s", "speedup (range)",
+           "decode tok/s", "decode speedup (range)"] + \
+    [f"{s} ms/tok" for s in STAGES] + ["agrees with ar", "tie flips", "errors", "flagged"]
+
+
+def _ratio(value: float | None, span: list[float] | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" ({span[0]:.2f}-{span[1]:.2f})" if span and span[1] - span[0] >= 0.005 else "")
 
 
 def _cells(row: dict) -> list[str]:
+    decode = row.get("decode_tokens_per_second")
     return [row["mode"], row["dataset"], f"{row['temperature']:g}", row["method"], str(row["prompts"]),
             f"{row['tau']:.2f}", f"{row.get('mean_nodes', 0.0):.1f}", f"{row['tokens_per_second']:.1f}",
-            f"{row['speedup']:.2f}x"] + \
+            _ratio(row["speedup"], row.get("speedup_range")), "-" if decode is None else f"{decode:.1f}",
+            _ratio(row.get("decode_speedup"), row.get("decode_speedup_range"))] + \
         [f"{row['stage_ms_per_token'][s]:.1f}" for s in STAGES] + \
         ["-" if row.get("agreement") is None else f"{100 * row['agreement']:.0f}%"] + \
-        [str(row["tie_flips"]), str(row["errors"])]  # agreement: llamacpp rows only
+        [str(row["tie_flips"]), str(row["errors"]), "FLAGGED: " + row["flagged"] if row.get("flagged") else ""]
+
+
+def best_fixed(rows: list[dict]) -> list[dict]:
+    """Per target mode x dataset x temperature, the fixed DDTree budget with the highest median end-to-end speedup:
+    the DDTree paper's view (its table takes the best budget per row), chosen after the run, unlike `auto`."""
+    best = {}
+    for r in rows:
+        if isinstance(r.get("budget"), int) and MethodSpec.parse(r["method"]).info.takes_budget:
+            cell = (r["mode"], r["dataset"], r["temperature"])
+            if cell not in best or r["speedup"] > best[cell]["speedup"]:
+                best[cell] = r
+    return [dict(mode=m, dataset=d, temperature=t, method=r["method"], budget=r["budget"], speedup=r["speedup"],
+                 decode_speedup=r.get("decode_speedup"), tau=r["tau"], flagged=r.get("flagged"))
+            for (m, d, t), r in best.items()]
+
+
+def machine_line(env: dict) -> str:
+    return (f"{env.get('gpu') or env['cpu']}, {env['threads']} thread(s) x {env['world_size']} process(es), "
+            f"{env.get('repeats', 1)} timed repeat(s) per run, {env.get('date', '')}, commit {env['git_commit']}")
+
+
+def _show(r: dict | None, decode: bool = True, label: str = "") -> str:
+    """A headline cell: the median speedup end to end / decode only, tau in parentheses, † when flagged."""
+    if r is None:
+        return "-"
+    mark = " †" if r.get("flagged") else ""
+    if not decode:
+        return f"{label}{r['speedup']:.2f}x{mark}"
+    dec = "-" if r.get("decode_speedup") is None else f"{r['decode_speedup']:.2f}x"
+    return f"{label}{r['speedup']:.2f}x / {dec} ({r['tau']:.2f}){mark}"
+
+
+def headline(rows: list[dict], env: dict) -> str:
+    """The headline tables, one per target mode: a row per dataset and temperature, a column per method; each
+    cell the median speedup over `ar` end to end / decode only, and tau; `best fixed` is the paper's view;
+    cells marked † are flagged (the rows below say why)."""
+    lines = []
+    best = {(b["mode"], b["dataset"], b["temperature"]): b for b in best_fixed(rows)}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        methods = [m for m in dict.fromkeys(r["method"] for r in mine) if m != "ar"]
+        lines += [f"**{mode}** ({env.get('modes', {}).get(mode, '')})", "",
+                  "| set, T | ar tok/s | " + " | ".join(methods) + " | best fixed |",
+                  "|---|---:|" + "---:|" * (len(methods) + 1)]
+        for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in mine):
+            cell = {r["method"]: r for r in mine if r["dataset"] == dataset and r["temperature"] == temperature}
+            ar, b = cell.get("ar"), best.get((mode, dataset, temperature))
+            ar_text = "-" if ar is None else f"{ar['tokens_per_second']:.1f}" + (" †" if ar.get("flagged") else "")
+            lines.append(f"| {dataset}, {temperature:g} | {ar_text} | " + " | ".join(_show(cell.get(m)) for m in methods)
+                         + f" | {_show(b, label=str(b['budget']) + ': ') if b else '-'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def readme_table(rows: list[dict], env: dict) -> str:
+    """The README's table: every target mode side by side in one cell (end-to-end speedups, the first mode's tau),
+    with the machine, date and commit it was measured on."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m not in ("ar", "hf")]
+    best = {(b["mode"], b["dataset"], b["temperature"]): b for b in best_fixed(rows)}
+    by = {(r["mode"], r["dataset"], r["temperature"], r["method"]): r for r in rows}
+    lines = [f"Measured by `bash run_benchmark.sh --update-readme` on {machine_line(env)}; drafter {env['drafter']}. "
+             f"Cells: speedup over `ar`, end to end, per target mode ({' / '.join(modes)}), medians over the repeats; "
+             f"tau ({modes[0]}) in parentheses; **best fixed**: the best fixed budget of the row, chosen after the run "
+             f"(the DDTree paper's view); † flagged (a busy machine, or repeats more than {100 * SPREAD_LIMIT:.0f}% "
+             f"apart). Decode-only speedups, `hf` and the reasons are in `results/summary.md`.", "",
+             "| set, T | ar tok/s | " + " | ".join(methods) + " | best fixed |", "|---|---:|" + "---:|" * (len(methods) + 1)]
+    for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in rows):
+        def cell(method: str) -> str:
+            found = [by.get((mode, dataset, temperature, method)) for mode in modes]
+            if all(r is None for r in found):
+                return "-"
+            first = next(r for r in found if r is not None)
+            return " / ".join(_show(r, decode=False) for r in found) + f" ({first['tau']:.2f})"
+
+        ar = " / ".join("-" if (r := by.get((mode, dataset, temperature, "ar"))) is None else
+                        f"{r['tokens_per_second']:.1f}" + (" †" if r.get("flagged") else "") for mode in modes)
+        bests = " / ".join(_show(b, decode=False, label=str(b["budget"]) + ": ") if b else "-"
+                           for b in (best.get((mode, dataset, temperature)) for mode in modes))
+        lines.append(f"| {dataset}, {temperature:g} | {ar} | " + " | ".join(cell(m) for m in methods) + f" | {bests} |")
+    return "\n".join(lines) + "\n"
+
+
+README_BEGIN, README_END = "<!-- benchmark-results:begin -->", "<!-- benchmark-results:end -->"
+
+
+def update_readme(path: Path, tables: str) -> None:
+    """Replace what lies between the README's benchmark-results markers with `tables`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"--update-readme: cannot read {path} ({e.strerror or e})") from None
+    if text.count(README_BEGIN) != 1 or text.count(README_END) != 1 or text.index(README_BEGIN) > text.index(README_END):
+        raise ConfigError(f"--update-readme: {path} needs one line {README_BEGIN} and, after it, one line "
+                          f"{README_END}, around the place for the tables")
+    head, rest = text.split(README_BEGIN)
+    _, tail = rest.split(README_END)
+    path.write_text(f"{head}{README_BEGIN}\n{tables.rstrip()}\n{README_END}{tail}", encoding="utf-8")
 
 
 def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
     """summary.md (also returned, for printing), summary.tex and summary.json in OUT."""
     modes = "; ".join(f"{mode}: {dtype}" for mode, dtype in env["modes"].items())
     header = (f"target {env['target']}, drafter **{env['drafter']}**, {env['device']}, target modes ({modes}), "
-              f"{env['threads']} thread(s) x {env['world_size']} process(es), {env['gpu'] or env['cpu']}, "
-              f"torch {env['torch']}, transformers {env['transformers']}, commit {env['git_commit']}")
+              f"{machine_line(env)}, torch {env['torch']}, transformers {env['transformers']}")
     warning = ("\n> The drafter is UNTRAINED (random weights): tau is about 1 and speculative methods are slower "
                "than ar. These numbers measure overhead only, not what DFlash/DDTree achieve.\n"
                if env["drafter"] == "untrained" else "")
-    md = (f"# ddtree benchmark\n\n{header}\n{warning}\nspeedup = method tokens/s / ar tokens/s on the same prompts in "
-          f"the same target mode "
-          f"(= ar time / method time at T=0); "
-          f"tau = tokens per target verify pass; stage columns in ms per generated token.\n\n"
+    flagged = [r for r in rows if r.get("flagged")]
+    flags = ("\n## Flagged cells\n\nTheir figures may be the machine's rather than the method's (a busy machine or "
+             "repeats that disagree): re-run on a quiet machine (a re-run times busy prompts again).\n\n" +
+             "".join(f"- {r['mode']} {r['dataset']} T={r['temperature']:g} {r['method']}: {r['flagged']}\n"
+                     for r in flagged)) if flagged else ""
+    md = (f"# ddtree benchmark\n\n{header}\n{warning}\nspeedup = method tokens/s / ar tokens/s on the same prompts "
+          f"in the same target mode, end to end (the clock runs from before the prefill) and decode only (the "
+          f"tokens after the first over the time after it, as the DDTree reference times); medians over the "
+          f"repeats, their range in parentheses; tau = tokens per target verify pass; stage columns in ms per "
+          f"generated token.\n\n## Headline\n\n{headline(rows, env)}\n{flags}\n## All rows\n\n"
           f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n" +
           "".join(f"| {' | '.join(_cells(r))} |\n" for r in rows))
     (out / "summary.md").write_text(md)
@@ -413,38 +574,81 @@ def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
     def tex(cell: str) -> str:
         for char in "_%#&":
             cell = cell.replace(char, "\\" + char)
-        return cell[:-1] + "$\\times$" if cell.endswith("x") and cell[:-1].replace(".", "").isdigit() else cell
+        return cell.replace("x (", "$\\times$ (") if "x (" in cell else (
+            cell[:-1] + "$\\times$" if cell.endswith("x") and cell[:-1].replace(".", "").isdigit() else cell)
 
-    latex = ("% ddtree benchmark: " + header.replace("**", "") + "\n\\begin{tabular}{llrl" + "r" * (len(COLUMNS) - 4) +
-             "}\n\\toprule\n" + " & ".join(tex(c) for c in COLUMNS) + " \\\\\n\\midrule\n" +
+    latex = ("% ddtree benchmark: " + header.replace("**", "") + "\n\\begin{tabular}{llrl" + "r" * (len(COLUMNS) - 5) +
+             "l}\n\\toprule\n" + " & ".join(tex(c) for c in COLUMNS) + " \\\\\n\\midrule\n" +
              "".join(" & ".join(tex(c) for c in _cells(r)) + " \\\\\n" for r in rows) +
              "\\bottomrule\n\\end{tabular}\n")
     (out / "summary.tex").write_text(latex)
-    (out / "summary.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps({"env": env, "rows": rows, "best_fixed": best_fixed(rows)},
+                                                 indent=1) + "\n")
     return md
 
 
+EXIT_LOSSLESS_FAILED, EXIT_BAD_INPUT, EXIT_CRASHED = 1, 2, 3  # the exit statuses besides 0
+
+
 def main(argv=None) -> int:
+    """Exit status: 0 ok; 1 a lossless check failed; 2 bad input (or the results folder in use); 3 a crash."""
     args = parse_args(argv)
     try:
         return _main(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("\ninterrupted: the finished records are kept; run the same command again to resume", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - told apart from a failed check by its status
+        traceback.print_exc()
+        print(f"\nthe benchmark crashed (exit status {EXIT_CRASHED}); finished records in {args.out} are kept and a "
+              "re-run resumes", file=sys.stderr)
+        return EXIT_CRASHED
     finally:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+MAX_ATTEMPTS = 2  # a prompt whose runs met a busy machine is timed once more (--no-retime: never)
+
+
+def group_state(group: dict, done: dict[str, dict]) -> tuple[bool, int, bool]:
+    """(a record is missing, attempts so far, a run met a busy machine) for one prompt group. A group with a
+    failed lossless check is never "busy": timing it again must not replace the record of the failure."""
+    recs = [done.get(slot["key"]) for slot in group["slots"]]
+    have = [r for r in recs if r is not None]
+    attempts = max((r.get("attempt", 1) for r in have), default=0)
+    busy = any((t.get("load") or 0.0) > LOAD_LIMIT for r in have for t in r.get("repeats") or [r])
+    failed = any(r["check"] == "error" for r in have)
+    return len(have) < len(recs), attempts, busy and not failed
 
 
 def _main(args) -> int:
     from tqdm import tqdm
 
     rank, world = init_distributed(args)
-    args.threads = args.threads or default_threads(world)
+    busy = busy_cores(0.5)
+    if not args.threads:
+        args.threads = default_threads(world, busy)
+    if busy is not None and busy > LOAD_LIMIT and rank == 0:
+        say(f"other processes keep {busy:.1f} cores busy: {args.threads} thread(s) per process; runs that meet a "
+            "busy machine are timed again once and flagged if still busy")
     torch.set_num_threads(args.threads)
     out = output_dir(args.out, "--out")
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     modes = target_modes(args.quant, args)
+    with build_lock(out / ".benchmark.lock", f"the results folder {out}", wait=False) if rank == 0 else _nothing():
+        return _run(args, rank, world, out, specs, modes, tqdm)
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def _run(args, rank, world, out, specs, modes, tqdm) -> int:
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pairs = {}  # target mode -> its pair; every mode is loaded up front, so its prompts interleave with the others'
@@ -460,18 +664,25 @@ def _main(args) -> int:
     plan = [g for same in zip(*(build_plan(args, pair, specs, mode) for mode, pair in pairs.items())) for g in same]
     done = load_records(out)
     mine = plan[rank::world]  # round-robin over groups: every rank gets a mix of datasets and prompts
-    todo = [g for g in mine if not all(s["key"] in done for s in g["slots"])]
+    attempts = 1 if args.no_retime else MAX_ATTEMPTS
+
+    def to_time(group) -> bool:  # missing, or met a busy machine and may be timed again
+        missing, tries, busy = group_state(group, done)
+        return missing or (busy and tries < attempts)
+
+    todo = [g for g in mine if to_time(g)]
     if rank == 0:
-        print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods ({', '.join(modes)}); "
-              f"drafter: {pairs[modes[0]].drafter.label}; {world} process(es); "
-              f"{sum(len(g['slots']) for g in todo)} runs to do on rank 0, {len(mine) - len(todo)} groups cached",
-              file=sys.stderr)
+        print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods x {args.repeats} repeats "
+              f"({', '.join(modes)}); drafter: {pairs[modes[0]].drafter.label}; {world} process(es); "
+              f"{sum(len(g['slots']) for g in todo) * args.repeats} runs to do on rank 0, {len(mine) - len(todo)} "
+              f"groups cached", file=sys.stderr)
     errors = 0
     suffix = "" if world == 1 else f".rank{rank}"
     shard, trace_shard = out / f"records{suffix}.jsonl", out / f"traces{suffix}.jsonl"
-    progress = tqdm(total=sum(len(g["slots"]) for g in todo), desc=f"rank {rank}", unit="run", position=rank,
-                    disable=args.no_progress, dynamic_ncols=True)
+    progress = tqdm(total=sum(len(g["slots"]) for g in todo) * args.repeats, desc=f"rank {rank}", unit="run",
+                    position=rank, disable=args.no_progress, dynamic_ncols=True)
     peers = {mode: Peers(pair) for mode, pair in pairs.items()}  # a peer runs each mode's idea of its weights
+    meter = LoadMeter(expected=(world - 1) * args.threads)  # sibling ranks are expected load, not noise
     started = time.perf_counter()
     warm = []  # warm-up: first-call costs (allocator, lazy init, the adaptive budget's cost curve) stay out
     for mode in dict.fromkeys(g["mode"] for g in todo):
@@ -486,35 +697,52 @@ def _main(args) -> int:
         for path, f in ((shard, sink), (trace_shard, traces)):
             if f.tell() and not path.read_bytes().endswith(b"\n"):
                 f.write("\n")  # a crash cut the last line short: never glue a new record onto it
+        sinks = {"records": sink, "traces": traces}
         first = next((i for i, g in enumerate(todo) if _prompt_of(g) != _prompt_of(todo[0])), len(todo))
         measured, t0 = [], time.perf_counter()  # the first prompt's runs, in every mode (adjacent in the plan)
-        for i, group in enumerate(todo):
-            mode = group["mode"]
-            recs = run_group(pairs[mode], group, args, envs[mode], {"records": sink, "traces": traces}, progress,
-                             inject, peers[mode])
-            errors += sum(r["check"] == "error" for r in recs)
-            measured += recs if i < first else []
-            if i == first - 1 and rank == 0 and len(todo) > first:
-                scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(measured, todo[:first], args))
-                left = estimate_seconds(measured, todo[first:], args) * scale  # the checks and the rest, as measured
-                say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first prompt's "
-                    f"runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are shorter)")
+        for attempt in range(attempts):
+            if attempt:  # the groups that met a busy machine, once more
+                todo = [g for g in mine if to_time(g)]
+                if not todo:
+                    break
+                if rank == 0:
+                    say(f"timing {len(todo)} prompt group(s) again: other processes used more than {LOAD_LIMIT} "
+                        f"cores during some of their runs")
+                progress.reset(total=sum(len(g["slots"]) for g in todo) * args.repeats)
+            for i, group in enumerate(todo):
+                mode = group["mode"]
+                tries = group_state(group, done)[1]
+                recs = run_group(pairs[mode], group, args, envs[mode], sinks, progress, inject, peers[mode], meter,
+                                 attempt=tries + 1)
+                done.update((r["key"], r) for r in recs)
+                errors += sum(r["check"] == "error" for r in recs)
+                if attempt:
+                    continue
+                measured += recs if i < first else []
+                if i == first - 1 and rank == 0 and len(todo) > first:
+                    scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(measured, todo[:first], args))
+                    left = estimate_seconds(measured, todo[first:], args) * scale  # the checks and the rest
+                    say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first "
+                        f"prompt's runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are shorter)")
     if trace_shard.stat().st_size == 0:
         trace_shard.unlink()
     progress.close()
     barrier(world)
     if rank != 0:
-        return 1 if errors else 0
+        return EXIT_LOSSLESS_FAILED if errors else 0
     records = load_records(out)
     if world > 1:
         merge_shards(out, records)
     planned = [records[s["key"]] for g in plan for s in g["slots"] if s["key"] in records]
     rows = summarize(planned, specs)
-    env = dict(envs[modes[0]], modes={mode: e["dtype"] for mode, e in envs.items()})
+    env = dict(envs[modes[0]], modes={mode: e["dtype"] for mode, e in envs.items()}, repeats=args.repeats)
     text = write_summaries(out, rows, env)
     (out / "last_run.json").write_text(json.dumps({"keys": [r["key"] for r in planned], "env": env,
                                                    "args": vars(args)}, indent=1, default=str) + "\n")
     print(text)
+    if args.update_readme:
+        update_readme(Path(args.update_readme), readme_table(rows, env))
+        say(f"wrote this run's tables into {args.update_readme}")
     total_errors = sum(r["errors"] for r in rows)  # cached errors count too: resuming never hides a failure
     if total_errors:
         print(f"\nFAILED: {total_errors} lossless check error(s); see the lines marked LOSSLESS CHECK FAILED "
@@ -522,7 +750,7 @@ def _main(args) -> int:
         for rec in planned:
             if rec["check"] == "error":
                 shout_error(rec)
-        return 1
+        return EXIT_LOSSLESS_FAILED
     return 0
 
 

@@ -254,9 +254,10 @@ def _lock_owner(lock: Path) -> tuple[str, int] | None:
 
 
 @contextmanager
-def build_lock(lock: Path, what: str):
+def build_lock(lock: Path, what: str, wait: bool = True):
     """Hold the file `lock` (it names this host and process) while building `what`. A lock left by a stopped
-    process is removed; a live owner's is waited for, with a notice naming it."""
+    process is removed; a live owner's is waited for, with a notice naming it (wait=False: refused with a
+    ConfigError naming it instead)."""
     lock = Path(lock)
     waiting = False
     while True:
@@ -278,6 +279,10 @@ def build_lock(lock: Path, what: str):
                 except FileNotFoundError:
                     pass
                 continue
+            if not wait:
+                raise ConfigError(f"{what} is in use by process {owner[1] if owner else '?'} on "
+                                  f"{owner[0] if owner else 'this host'} (its lock: {lock}); wait for it to finish or "
+                                  "choose another folder (if no such process runs, delete the lock)")
             if not waiting:
                 notice(f"waiting for process {owner[1] if owner else '?'} on {owner[0] if owner else 'this host'}, "
                        f"which is building {what} (if no such process runs, delete {lock})")

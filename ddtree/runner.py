@@ -5,7 +5,10 @@
     speedup = method tokens/s / ar tokens/s, over the same prompts, decoded back to back (interleaved)
 
 At T=0 both produce the same tokens, so this is ar time / method time; at T>0 samples may stop at different
-lengths, which a time ratio would punish. The plots read the same rows.
+lengths, which a time ratio would punish. It is given end to end (the clock runs from before the prefill) and
+decode only (the tokens after the first over the time after it: the DDTree reference's definition). With
+repeats, each figure is the median over repeats, with its range, and a cell the machine may have disturbed is
+flagged (summarize_methods). The plots read the same rows.
 """
 from __future__ import annotations
 
@@ -91,27 +94,92 @@ def agreement(reference: list[int], tokens: list[int]) -> float:
     return same / max(1, len(reference))
 
 
+# A cell (a method's row over one setting) is flagged, never hidden, when its figures may be the machine's rather
+# than the method's: ar's or its own tokens/s varied more than SPREAD_LIMIT (relative to the median) over the
+# repeats, or other processes used more than LOAD_LIMIT cores on average during one of its or ar's runs.
+SPREAD_LIMIT = 0.20
+LOAD_LIMIT = 0.25
+
+
+def timings(rec: dict) -> list[dict]:
+    """A record's timed runs: its `repeats` (the benchmark times each prompt x method several times, interleaved),
+    else the record itself as one run. Each has seconds, time_to_first_token and load (None where unknown)."""
+    return rec.get("repeats") or [dict(seconds=rec["seconds"], time_to_first_token=rec.get("time_to_first_token", 0.0),
+                                       load=rec.get("load"))]
+
+
+def _rates(recs: list[dict], repeat: int) -> tuple[float, float | None]:
+    """(end-to-end tokens/s, decode-only tokens/s) of `recs` in their `repeat`-th timed run. Decode only: the
+    tokens after the first over the time after it (None where a run did not time its prefill apart: hf)."""
+    runs = [timings(r)[repeat] for r in recs]
+    secs = sum(t["seconds"] for t in runs)
+    rate = sum(r["new_tokens"] for r in recs) / secs if secs else 0.0
+    decode_secs = sum(t["seconds"] - t["time_to_first_token"] for t in runs)
+    timed_apart = all(t["time_to_first_token"] > 0 for t in runs)
+    decode = sum(max(0, r["new_tokens"] - 1) for r in recs) / decode_secs if timed_apart and decode_secs > 0 else None
+    return rate, decode
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _spread(values: list[float]) -> float:
+    """(max - min) / median: how far apart the repeats' figures are, relative to their median."""
+    middle = _median(values)
+    return (max(values) - min(values)) / middle if middle else 0.0
+
+
+def flag_reason(spread: float, ar_spread: float, load: float | None, repeats: int) -> str | None:
+    """Why a cell's figures may not be the method's own (None when nothing says so)."""
+    reasons = []
+    if load is not None and load > LOAD_LIMIT:
+        reasons.append(f"other processes used {load:.2f} cores during a run (limit {LOAD_LIMIT})")
+    if ar_spread > SPREAD_LIMIT:
+        reasons.append(f"ar's tokens/s varied {100 * ar_spread:.0f}% over {repeats} repeats")
+    if spread > SPREAD_LIMIT:
+        reasons.append(f"its tokens/s varied {100 * spread:.0f}% over {repeats} repeats")
+    return "; ".join(reasons) or None
+
+
 def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict]:
     """One row per spec with records, over records of one setting (one dataset and temperature): tau, tokens/s,
-    speedup over ar on the same prompts (by `prompt_index`), ms per generated token by stage, check counts."""
+    speedup over ar on the same prompts (by `prompt_index`), ms per generated token by stage, check counts.
+
+    With repeats (timings()), repeat i of every prompt is one measurement of the cell: its tokens/s and its
+    speedup over ar's repeat i (the two ran back to back); a row gives their medians and ranges, end to end and
+    decode only, and `flagged` (flag_reason) when the spread or the machine's load says the figures may be noise."""
     ar = {r["prompt_index"]: r for r in records if r["method"] == REFERENCE}
     rows = []
     for spec in specs:
         recs = [r for r in records if r["method"] == spec.label]
         if not recs:
             continue
-        secs = sum(r["seconds"] for r in recs)
         new = sum(r["new_tokens"] for r in recs)
         steps = sum(r["steps"] for r in recs)
-        rate = new / secs if secs else 0.0
         ar_same = [ar[r["prompt_index"]] for r in recs if r["prompt_index"] in ar]
-        ar_secs = sum(a["seconds"] for a in ar_same)
-        ar_rate = sum(a["new_tokens"] for a in ar_same) / ar_secs if ar_secs else 0.0
+        repeats = min(len(timings(r)) for r in recs + ar_same)
+        own = [_rates(recs, i) for i in range(repeats)]
+        base = [_rates(ar_same, i) for i in range(repeats)] if ar_same else []
+        speedups = [r / a if a else 0.0 for (r, _), (a, _) in zip(own, base)] or [0.0]
+        decodes = [r / a for (_, r), (_, a) in zip(own, base) if r is not None and a]
+        decode_speedups = decodes if len(decodes) == repeats and decodes else None
+        load = max((t["load"] for r in recs + ar_same for t in timings(r) if t.get("load") is not None), default=None)
+        spread, ar_spread = _spread([r for r, _ in own]), _spread([a for a, _ in base]) if base else 0.0
         rows.append(dict(
-            method=spec.label, budget=spec.budget, prompts=len(recs), new_tokens=new, seconds=secs,
+            method=spec.label, budget=spec.budget, prompts=len(recs), new_tokens=new, repeats=repeats,
+            seconds=sum(r["seconds"] for r in recs),
             tau=sum(sum(r["acceptance_lengths"]) for r in recs) / max(1, steps),
             mean_nodes=sum(sum(r.get("tree_sizes", [])) for r in recs) / max(1, steps),
-            tokens_per_second=rate, speedup=rate / ar_rate if ar_rate else 0.0,
+            tokens_per_second=_median([r for r, _ in own]),
+            decode_tokens_per_second=(_median([d for _, d in own]) if all(d is not None for _, d in own) else None),
+            speedup=_median(speedups), speedup_range=[min(speedups), max(speedups)],
+            decode_speedup=_median(decode_speedups) if decode_speedups else None,
+            decode_speedup_range=[min(decode_speedups), max(decode_speedups)] if decode_speedups else None,
+            spread=spread, ar_spread=ar_spread, load=load,
+            flagged=flag_reason(spread, ar_spread, load, repeats),
             stage_ms_per_token={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new)
                                 for st in STAGES},
             tie_flips=sum(r["check"] == "tie_flip" for r in recs),

@@ -1,10 +1,10 @@
-"""The project's kernels, installed as the package `ddtree.kernels` (pyproject maps it to this folder).
+"""The project's kernels. ddtree finds this folder wherever it is (`ddtree/kernel_files.py`): beside the package in
+a checkout, or installed from a wheel as `ddtree/kernels/` (pyproject's package-dir mapping).
 
-- `tree_attention.py`: the Triton tree-attention kernel and its PyTorch reference (GPU; the interpreter in tests).
-  Import it as `ddtree.kernels.tree_attention`: this package itself imports nothing, so it loads without triton.
+- `tree_attention.py`: the Triton tree-attention kernel and its PyTorch reference (GPU; the interpreter in tests),
+  loaded with `ddtree.kernel_files.kernel_module("tree_attention")`; this file imports nothing, so it loads without
+  triton.
+- `compile_check.py`: compiles the Triton kernels without a GPU (`python kernels/compile_check.py`).
 - `qlinear.cpp`, `decoder.cpp`, `int8_linear.cpp`, `tree.cpp`, `cpu_kernels.h`: the CPU kernels, compiled on first use
-  by `ddtree.cpu.qlinear`.
+  by `ddtree/cpu/qlinear.py`.
 """
-from pathlib import Path
-
-SOURCE_DIR = Path(__file__).resolve().parent  # where the C++ sources are, installed or in a checkout

@@ -2,7 +2,7 @@
 
 The interpreter (TRITON_INTERPRET=1) runs the kernel's Python, not its GPU lowering; this catches what only
 the compiler sees (type/layout errors, shared-memory overflow, register spills). Run it without
-TRITON_INTERPRET:  python -m ddtree.kernels.compile_check.
+TRITON_INTERPRET:  python kernels/compile_check.py.
 Prints one line per config; exits non-zero when a config fails to compile, spills registers or needs
 more shared memory than an H100 has. --quick: one config only (used by tests/test_kernels.py).
 """
@@ -15,7 +15,10 @@ import tempfile
 
 import triton
 
-from ddtree.kernels.tree_attention import _combine_kernel, _tree_attention_kernel
+from ddtree.kernel_files import kernel_module
+
+_tree_attention = kernel_module("tree_attention")
+_combine_kernel, _tree_attention_kernel = _tree_attention._combine_kernel, _tree_attention._tree_attention_kernel
 
 _I32 = ["stride_qh", "stride_qn", "stride_kh", "stride_kt", "stride_vh", "stride_vt", "stride_bn", "stride_oh",
         "stride_on", "past_len", "n_nodes", "blocks_per_split"]

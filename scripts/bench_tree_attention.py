@@ -38,7 +38,6 @@ JSON -> $OUT/tree_attention_bench.json.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -49,8 +48,9 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-# import_module, not `from ... import tree_attention`: the package re-exports a function of the same name.
-ta = importlib.import_module("ddtree.kernels.tree_attention")
+from ddtree.kernel_files import kernel_module
+
+ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/kernel_files.py)
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 GROUP = HQ // HKV

@@ -37,7 +37,6 @@ else
     # seven processes share the GPU: the table processes' passes vary in size, and without expandable segments
     # their caching allocators keep the peaks, which leaves the fine-tunes short of memory (RECIPE.md)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-    ln -sfn ../kernels ddtree/kernels  # the package's ddtree.kernels (pyproject's package-dir), without installing it
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$R/logs/driver.txt"
 fi
 PY=python3; command -v python3 >/dev/null || PY=python

@@ -23,7 +23,10 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    """The folder's records, one per key (a prompt timed again on a busy machine has a later line per method)."""
+    from ddtree.benchmark import load_records
+
+    return list(load_records(out).values())
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def tiny_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     proc = run("bash", "run_benchmark.sh", "--tiny", "--threads", "1", "--no-progress", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "estimated time for the 18 runs: ~" in proc.stderr and "estimated total: ~" in proc.stderr
+    assert "estimated time for the 36 runs: ~" in proc.stderr and "estimated total: ~" in proc.stderr  # 2 repeats
     return out
 
 
@@ -45,14 +48,26 @@ def test_tiny_benchmark_records(tiny_results):
     for r in recs:
         assert r["new_tokens"] == len(r["token_ids"]) and 0 < r["new_tokens"] <= 8
         assert r["seconds"] > 0 and r["steps"] >= 1
+        # --tiny times every run twice; the record's times are the medians of its repeats
+        assert len(r["repeats"]) == 2 and r["attempt"] in (1, 2) and not r.get("repeats_differ")
+        assert r["seconds"] == pytest.approx(sum(t["seconds"] for t in r["repeats"]) / 2)
+        assert 0 < r["time_to_first_token"] < r["seconds"] and r["decode_seconds"] > 0
         assert r["check"] in ({"reference"} if r["method"] == "ar" else {"identical", "tie_flip"})
         assert r["env"]["torch"] and r["env"]["dtype"] and r["env"]["drafter"]
     summary = (tiny_results / "summary.md").read_text()
     assert "| humaneval | 0 | ddtree:16 |" in summary and "drafter" in summary
     assert (tiny_results / "summary.tex").read_text().count("\\\\") >= 10  # header + 9 rows
-    rows = json.loads((tiny_results / "summary.json").read_text())["rows"]
+    summary_json = json.loads((tiny_results / "summary.json").read_text())
+    rows = summary_json["rows"]
     assert len(rows) == 9 and all(r["errors"] == 0 for r in rows)
     assert all(abs(r["speedup"] - 1.0) < 1e-9 for r in rows if r["method"] == "ar")
+    for r in rows:  # medians with their range, end to end and decode only, and a flag (None or its reason)
+        assert r["repeats"] == 2 and r["speedup_range"][0] <= r["speedup"] <= r["speedup_range"][1]
+        assert r["decode_speedup_range"][0] <= r["decode_speedup"] <= r["decode_speedup_range"][1]
+        assert "flagged" in r and (r["flagged"] is None or "repeats" in r["flagged"] or "cores" in r["flagged"])
+    assert [b["method"] for b in summary_json["best_fixed"]] == ["ddtree:16"] * 3  # the only fixed budget
+    assert "## Headline" in summary and "| set, T | ar tok/s | dflash | ddtree:16 | best fixed |" in summary
+    assert "AVX" in summary_json["env"]["cpu"] and "cores" in summary_json["env"]["cpu"]
 
 
 def test_rerun_reuses_cached_records(tiny_results):
@@ -80,8 +95,11 @@ def test_injected_mismatch_fails(tmp_path):
     assert "LOSSLESS CHECK FAILED" in proc.stderr and "ddtree:16" in proc.stderr
     bad = [r for r in records(tmp_path) if r["check"] == "error"]
     assert len(bad) == 1 and bad[0]["method"] == "ddtree:16" and "injected_mismatch_at" in bad[0]
-    row = next(line for line in (tmp_path / "summary.md").read_text().splitlines() if "| ddtree:16 |" in line)
-    assert row.endswith("| 1 |")  # the errors column
+    from ddtree.benchmark import COLUMNS
+
+    row = next(line for line in (tmp_path / "summary.md").read_text().splitlines()
+               if line.startswith("| float | gsm | 0 | ddtree:16 |"))
+    assert row.split(" | ")[COLUMNS.index("errors")] == "1"  # the errors column
 
 
 def test_hf_baseline_adaptive_budget_and_traces(tmp_path):
@@ -117,7 +135,7 @@ def test_two_target_modes(tmp_path):
     proc = run("bash", "run_benchmark.sh", "--tiny", "--quant", "float,gguf-int8", "--datasets", "gsm",
                "--num-prompts", "1", "--threads", "1", "--no-progress", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "estimated time for the 6 runs: ~" in proc.stderr
+    assert "estimated time for the 12 runs: ~" in proc.stderr
     recs = records(tmp_path)
     assert sorted((r["mode"], r["method"]) for r in recs) == sorted(
         (mode, method) for mode in ("float", "gguf-int8") for method in METHODS)
@@ -143,3 +161,69 @@ def test_target_modes_auto():
     assert target_modes("auto", parse_args(["--device", "cpu", "--cpu-kernel", "off"])) == ["float"]
     assert target_modes("auto", parse_args(["--device", "cpu", "--dtype", "bfloat16"])) == ["float"]
     assert target_modes("gguf-int8,float", cpu) == ["gguf-int8", "float"]
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """benchmark.main in this process (so a test can stand in for the machine's load); torch's thread count put
+    back afterwards."""
+    import torch
+
+    from ddtree import benchmark
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(benchmark, "busy_cores", lambda seconds=0.5: 0.0)
+    yield benchmark
+    torch.set_num_threads(threads)
+
+
+TINY_ONE = ["--tiny", "--datasets", "gsm", "--num-prompts", "1", "--methods", "ar,ddtree", "--budgets", "2",
+            "--max-new-tokens", "4", "--no-progress"]
+
+
+def test_runs_on_a_busy_machine_are_timed_again_once_then_flagged(in_process, tmp_path, monkeypatch, capsys):
+    """Every run meets a busy machine (one other core in use): the prompt is timed a second time at the end, and
+    the cells stay flagged with the reason, in summary.md, summary.json and the plots."""
+    monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 1.0)
+    monkeypatch.setattr(in_process, "busy_cores", lambda seconds=0.5: 1.0)
+    assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "other processes keep 1.0 cores busy" in err and "timing 1 prompt group(s) again" in err
+    lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["attempt"]) for r in lines) == [("ar", 1), ("ar", 2), ("ddtree:2", 1),
+                                                                  ("ddtree:2", 2)]
+    assert all(t["load"] == 1.0 for r in lines for t in r["repeats"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["env"]["threads"] == 1  # cores left free by the busy one
+    assert [r["flagged"] for r in summary["rows"]] == ["other processes used 1.00 cores during a run (limit 0.25)"] * 2
+    assert "## Flagged cells" in (tmp_path / "summary.md").read_text()
+    # a re-run: attempts are used up, so nothing is timed again
+    assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 4
+    # --no-retime: measured once, flagged
+    assert in_process.main(TINY_ONE + ["--no-retime", "--out", str(tmp_path / "once")]) == 0
+    once = [json.loads(line) for line in (tmp_path / "once" / "records.jsonl").read_text().splitlines()]
+    assert [r["attempt"] for r in once] == [1, 1]
+
+
+def test_a_quiet_machine_is_measured_once_and_not_flagged(in_process, tmp_path, monkeypatch):
+    monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 0.0)
+    assert in_process.main(TINY_ONE + ["--repeats", "3", "--out", str(tmp_path)]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], len(r["repeats"])) for r in lines] == [(1, 3), (1, 3)]
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    # a 4-token run's time can still vary by more than the spread limit on a shared test machine: only the
+    # load must not flag here
+    assert all(r["flagged"] is None or "cores" not in r["flagged"] for r in rows)
+
+
+def test_one_writer_per_results_folder(in_process, tmp_path, capsys):
+    """A second benchmark on the same --out is refused up front (exit 2), naming the running one."""
+    import os
+    import socket
+
+    (tmp_path / ".benchmark.lock").write_text(f"{socket.gethostname()} {os.getppid()}\n")  # a live process
+    assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is in use by process" in err and str(os.getppid()) in err
+    assert not (tmp_path / "records.jsonl").exists()

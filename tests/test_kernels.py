@@ -1,7 +1,6 @@
 """Triton tree attention vs its PyTorch reference (CPU: the Triton interpreter; CUDA: the compiled kernel)."""
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -15,8 +14,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-# import_module, not `from ... import tree_attention`: the package re-exports a function of the same name.
-ta = importlib.import_module("ddtree.kernels.tree_attention")
+from ddtree.kernel_files import kernel_dir, kernel_module  # noqa: E402
+
+ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/kernel_files.py)
 
 if not torch.cuda.is_available() and not type(ta._tree_attention_kernel).__name__.startswith("Interpreted"):
     # Triton picks interpreter mode when it is imported (triton.language too); it cannot be switched later.
@@ -257,7 +257,7 @@ def test_compiles_for_h100_without_gpu():
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no AOT compile API")
-    res = subprocess.run([sys.executable, "-m", "ddtree.kernels.compile_check", "--quick"], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, str(kernel_dir() / "compile_check.py"), "--quick"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -274,7 +274,7 @@ def test_select_config_fp32_tiles_are_the_compile_checked_ones(monkeypatch):
     failed on an H100 (OutOfResources). The fp32 choices must be configs that compile_check.py compiles."""
     from types import SimpleNamespace
 
-    from ddtree.kernels.compile_check import CONFIGS
+    CONFIGS = kernel_module("compile_check").CONFIGS
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     checked = {(c[0], c[2], c[3], c[4], c[5], c[6]) for c in CONFIGS}

@@ -72,6 +72,7 @@ def test_estimate_from_measured_runs():
     groups = [dict(mode="float", slots=[dict(method="ar"), dict(method="ddtree:8"), dict(method="hf")])] * 2
     # per group: ar 0.1 + 0.1 x 20, ddtree 0.1 + 0.05 x 20, hf (unmeasured) as the slowest: 2.1 -> 5.3 s x 2
     assert estimate_seconds(measured, groups, SimpleNamespace(max_new_tokens=20)) == pytest.approx(10.6)
+    assert estimate_seconds(measured, groups, SimpleNamespace(max_new_tokens=20, repeats=2)) == pytest.approx(21.2)
     # each target mode at its own rates: ar in gguf-int8 1.1 s, its ddtree:8 (unmeasured) as the slowest, 2.1 s
     int8 = [dict(mode="gguf-int8", slots=[dict(method="ar"), dict(method="ddtree:8")])]
     assert estimate_seconds(measured, int8, SimpleNamespace(max_new_tokens=20)) == pytest.approx(3.2)
@@ -88,6 +89,8 @@ def test_presets_show_the_project_quickly_and_sweep_in_full():
     fixed = lambda p: [s.budget for s in parse_methods("ddtree", p["budgets"]) if isinstance(s.budget, int)]  # noqa: E731
     assert len(fixed(quick)) >= 2 and max(fixed(quick)) < 64 <= 256 <= max(fixed(full))  # the sweep: --full
     assert quick["num_prompts"] * quick["max_new_tokens"] < full["num_prompts"] * full["max_new_tokens"]
+    assert 3 in fixed(quick) and 3 in fixed(full)  # the best fixed budget on code in the integer mode
+    assert all(p["repeats"] >= 2 for p in PRESETS.values())  # every cell timed more than once
 
 
 def test_compare_with_stops_cuts_every_method_alike_and_skips_the_peers():
@@ -111,7 +114,7 @@ def test_benchmark_jsonl_prompts_carry_their_stops(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "stop": "\n\n"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
     assert load_prompt_items(str(path), 5) == [("a", ("\n\n",)), ("b", ())] and load_prompts(str(path), 5) == ["a", "b"]
     target, drafter = random_pair("llama", seed=9, block_size=4)
-    args = SimpleNamespace(target=None, threads=1, max_new_tokens=8, top_p=1.0, top_k=0, block_size=None,
+    args = SimpleNamespace(target=None, threads=1, repeats=1, max_new_tokens=8, top_p=1.0, top_k=0, block_size=None,
                            attention="auto", inject_mismatch=False, traces=False, datasets=str(path),
                            num_prompts=2, temperatures="0", seed=0)
     groups = build_plan(args, Pair(target, drafter, None), parse_methods("hf,ddtree:4"))
@@ -120,3 +123,107 @@ def test_benchmark_jsonl_prompts_carry_their_stops(tmp_path):
     path.write_text(json.dumps({"prompt": "a", "stop": ["ok", 3]}) + "\n")
     with pytest.raises(ConfigError, match=r"p.jsonl:1: stop must be a string or a list of strings"):
         load_prompt_items(str(path), 1)
+
+
+def timed(method, prompt_index, runs, new_tokens=10, loads=None):
+    """A record with repeats: runs = [(seconds, time_to_first_token), ...]."""
+    r = rec(method, prompt_index, sorted(s for s, _ in runs)[len(runs) // 2], new_tokens)
+    r["repeats"] = [dict(seconds=s, time_to_first_token=f, load=(loads or [None] * len(runs))[i])
+                    for i, (s, f) in enumerate(runs)]
+    return r
+
+
+def test_repeats_give_medians_ranges_and_decode_only_speedups():
+    """Repeat i of every prompt is one measurement of the cell; the row is the median over repeats with their
+    range, end to end and decode only (tokens after the first over the time after the prefill)."""
+    specs = parse_methods("ddtree:4")
+    records = [timed("ar", 0, [(1.0, 0.1), (1.2, 0.1), (1.1, 0.1)]),
+               timed("ddtree:4", 0, [(0.5, 0.1), (0.4, 0.1), (0.6, 0.1)])]
+    row = {r["method"]: r for r in summarize_methods(records, specs)}["ddtree:4"]
+    assert row["repeats"] == 3
+    assert row["speedup"] == pytest.approx(2.0)  # 1.0/0.5, 1.2/0.4 = 3.0, 1.1/0.6: median 2.0
+    assert row["speedup_range"] == pytest.approx([1.1 / 0.6, 3.0])
+    # decode only: (1.0 - 0.1) / (0.5 - 0.1) = 2.25, 1.1 / 0.3 = 3.67, 1.0 / 0.5 = 2.0
+    assert row["decode_speedup"] == pytest.approx(2.25) and row["decode_speedup_range"] == pytest.approx([2.0, 1.1 / 0.3])
+    assert row["tokens_per_second"] == pytest.approx(20.0) and row["decode_tokens_per_second"] == pytest.approx(22.5)
+    # one run per record (compare, old records): the plain ratio, and no decode figure without a timed prefill
+    plain = summarize_methods([rec("ar", 0, 2.0, 10), rec("ddtree:4", 0, 1.0, 10)], specs)
+    assert plain[1]["speedup"] == pytest.approx(2.0) and plain[1]["decode_speedup"] is None
+    assert plain[1]["repeats"] == 1 and plain[1]["flagged"] is None
+
+
+def test_cells_are_flagged_by_load_and_by_spread():
+    specs = parse_methods("ddtree:4")
+    steady = [(1.0, 0.1), (1.02, 0.1)]
+    # quiet and steady: no flag
+    rows = summarize_methods([timed("ar", 0, steady, loads=[0.0, 0.1]), timed("ddtree:4", 0, steady)], specs)
+    assert [r["flagged"] for r in rows] == [None, None]
+    # another process on one core during one of ar's runs: both cells (ar is every cell's reference)
+    rows = summarize_methods([timed("ar", 0, steady, loads=[0.0, 1.0]), timed("ddtree:4", 0, steady)], specs)
+    assert all("other processes used 1.00 cores" in r["flagged"] for r in rows)
+    # ar's repeats 50% apart: every cell of the setting; the method's own spread: its cell only
+    rows = summarize_methods([timed("ar", 0, [(1.0, 0.1), (1.5, 0.1)]), timed("ddtree:4", 0, steady)], specs)
+    assert all("ar's tokens/s varied 40% over 2 repeats" in r["flagged"] for r in rows)
+    rows = summarize_methods([timed("ar", 0, steady), timed("ddtree:4", 0, [(1.0, 0.1), (2.0, 0.1)])], specs)
+    assert rows[0]["flagged"] is None and "its tokens/s varied 67% over 2 repeats" in rows[1]["flagged"]
+
+
+def test_merge_repeats_keeps_the_first_runs_tokens_and_the_worst_check():
+    from ddtree.benchmark import merge_repeats
+
+    run = dict(rec("ddtree:4", 0, 1.0, 10), token_ids=[1, 2], time_to_first_token=0.2,
+               stage_seconds={"verify": 0.5}, load=0.0)
+    merged = merge_repeats([run, dict(run, seconds=3.0, load=0.5, stage_seconds={"verify": 1.5}),
+                            dict(run, seconds=2.0, check="error", check_detail="bad", token_ids=[1, 3],
+                                 stage_seconds={"verify": 1.0})])
+    assert merged["seconds"] == 2.0 and merged["stage_seconds"] == {"verify": 1.0} and merged["load"] == 0.5
+    assert [t["seconds"] for t in merged["repeats"]] == [1.0, 3.0, 2.0]
+    assert merged["check"] == "error" and merged["check_detail"] == "bad" and merged["repeats_differ"]
+    assert merged["token_ids"] == [1, 2] and merged["decode_seconds"] == pytest.approx(1.8)
+
+
+def test_headline_tables_best_fixed_budget_and_the_readme(tmp_path):
+    from ddtree.benchmark import best_fixed, headline, readme_table, update_readme
+
+    def row(method, speedup, flagged=None, budget=None, mode="float"):
+        return dict(mode=mode, dataset="gsm", temperature=0.0, method=method, budget=budget, speedup=speedup,
+                    decode_speedup=speedup * 1.1, tau=2.0, tokens_per_second=50.0 * speedup, flagged=flagged)
+
+    rows = [row("ar", 1.0), row("dflash", 0.9), row("ddtree:2", 1.2, budget=2), row("ddtree:3", 1.4, "busy", 3),
+            row("ddtree:auto", 1.1, budget="auto"), row("ar", 1.0, mode="gguf-int8"),
+            row("ddtree:2", 1.3, budget=2, mode="gguf-int8")]
+    assert [(b["method"], b["flagged"]) for b in best_fixed(rows)] == [("ddtree:3", "busy"), ("ddtree:2", None)]
+    env = dict(modes={"float": "float32", "gguf-int8": "float32 gguf int8"}, threads=2, world_size=1, repeats=2,
+               cpu="a CPU (2 cores; AVX2, no VNNI, no AMX)", date="2026-11-27", git_commit="abc", drafter="shipped",
+               gpu=None)
+    text = headline(rows, env)
+    assert "| gsm, 0 | 50.0 | 0.90x / 0.99x (2.00) | 1.20x / 1.32x (2.00) | 1.40x / 1.54x (2.00) † |" in text
+    assert "| 3: 1.40x / 1.54x (2.00) † |" in text  # the best fixed budget, flagged as its cell
+    table = readme_table(rows, env)
+    assert "a CPU (2 cores; AVX2, no VNNI, no AMX), 2 thread(s)" in table and "2026-11-27" in table
+    assert "| gsm, 0 | 50.0 / 50.0 | 0.90x / - (2.00) | 1.20x / 1.30x (2.00) | 1.40x † / - (2.00) |" in table
+    assert table.rstrip().endswith("| 3: 1.40x † / 2: 1.30x |")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- benchmark-results:begin -->\nold table\n<!-- benchmark-results:end -->\nrest\n")
+    update_readme(readme, table)
+    new = readme.read_text()
+    assert new.startswith("intro\n<!-- benchmark-results:begin -->\nMeasured by") and new.endswith("end -->\nrest\n")
+    assert "old table" not in new and "| 3: 1.40x" in new
+    readme.write_text("no markers\n")
+    with pytest.raises(ConfigError, match="benchmark-results:begin"):
+        update_readme(readme, table)
+
+
+def test_benchmark_exit_status_tells_a_crash_from_a_failed_check(monkeypatch, capsys, tmp_path):
+    from ddtree import benchmark
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(benchmark, "_run", crash)
+    monkeypatch.setattr(benchmark, "busy_cores", lambda seconds=0.5: 0.0)
+    monkeypatch.setattr(benchmark.torch, "set_num_threads", lambda n: None)  # the tests' one thread stays
+    assert benchmark.main(["--tiny", "--out", str(tmp_path)]) == benchmark.EXIT_CRASHED == 3
+    assert "RuntimeError: a bug" in capsys.readouterr().err
+    assert not (tmp_path / ".benchmark.lock").exists()  # the lock goes with the run
+    assert benchmark.EXIT_LOSSLESS_FAILED == 1 and benchmark.EXIT_BAD_INPUT == 2

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from ..config import ConfigError
-from ..kernels import SOURCE_DIR
+from ..kernel_files import kernel_dir
 from . import qlinear
 from .qlinear import BLOCK, SPAN_WORDS, QWeight, compile_extension
 
@@ -55,7 +55,7 @@ def build(isa: str = "avx2"):
         raise ConfigError(f"the {isa} build of the int8 kernel needs CPU flags this CPU lacks: "
                           f"{', '.join(sorted(missing))}")
     name = "ddtree_int8" + ("" if isa == "avx2" else "_" + isa.replace("-", "_"))
-    return compile_extension(name, [SOURCE_DIR / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
+    return compile_extension(name, [kernel_dir() / "int8_linear.cpp"], BASE_FLAGS + ISA_FLAGS[isa],
                              f"the int8-activation CPU kernel for {isa}")
 
 

@@ -49,7 +49,7 @@ def bucket(n: int) -> int | None:
 
 class DeviceVisibility(Visibility):
     """Visibility for a captured pass: the past length is an int32 [1] on the device and the tree mask is a static
-    packed-bits buffer [B, ceil(B / 32)] (ddtree.kernels.tree_attention's layout). Only the Triton backend reads it."""
+    packed-bits buffer [B, ceil(B / 32)] (kernels/tree_attention.py's layout). Only the Triton backend reads it."""
 
     def __init__(self, past_len: torch.Tensor, bits: torch.Tensor, lower_triangular: bool):
         super().__init__(past_len, None)
