@@ -17,6 +17,7 @@ from .cpu.runtime import attach, cpu_target
 from .gpu import runtime as gpu_runtime
 from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine import Decoder, Method, make_method
+from .hub import resolve as resolve_hub
 from .knobs import env_flag
 from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
@@ -41,7 +42,15 @@ class TextStream:
 
     def __init__(self, steps, stops: Stops, finish):
         self._steps, self._stops, self._finish = steps, stops, finish
-        self.result: GenerationResult | None = None
+        self._result: GenerationResult | None = None
+
+    @property
+    def result(self) -> GenerationResult:
+        """The GenerationResult, once the loop over the stream has ended (a ConfigError before)."""
+        if self._result is None:
+            raise ConfigError("stream.result is ready once the stream is consumed: iterate over it to the end "
+                              "first (for piece in stream: ...), or call pair.generate() for the result alone")
+        return self._result
 
     def __iter__(self):
         if self._steps is None:
@@ -57,7 +66,7 @@ class TextStream:
             if piece:
                 yield piece
         piece = self._stops.rest(tokens)
-        self.result = self._finish(tokens, stats)
+        self._result = self._finish(tokens, stats)
         if piece:
             yield piece
 
@@ -175,6 +184,8 @@ class Pair:
     def _stream(self, prompt, method, budget, block_size, temperature, top_p, top_k, max_new_tokens, seed, chat,
                 trace, stop, stop_token_ids, live: bool) -> TextStream:
         sampling = SamplingParams(temperature, top_p, top_k)
+        if not isinstance(trace, (bool, np.bool_)):  # "no" is truthy: it would trace
+            raise ConfigError(f"trace must be True or False, got {trace!r}")
         strategy = self.method(method, budget, block_size)
         stops = Stops(self.stop_ids, check_stop_token_ids(stop_token_ids, self.target.cfg.vocab_size),
                       check_stop(stop), self._decode_fn(), live)
@@ -263,6 +274,8 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     for name, value in (("gguf_blocks", gguf_blocks), ("markov_head", markov_head)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be True or False, got {value!r}")
+    given = (target, draft)  # hub ids (ddtree/hub.py) become their local snapshot folders; paths stay as they are
+    target, draft = resolve_hub(target, "target"), resolve_hub(draft, "draft")
     gguf = check_quant(quant, target, device, dtype, kernel)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
@@ -274,7 +287,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)
-        drafter.label = str(draft)
+        drafter.label = str(given[1])
     elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
         drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, tgt.attention_backend, target=tgt)
         drafter.label = "shipped"
@@ -282,10 +295,14 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         warn_untrained()
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
+    if drafter.markov is None and markov_head and env_flag("DDTREE_MARKOV_HEAD", markov_head):
+        raise ConfigError(f"markov_head=True, and the drafter ({drafter.label}) has no Markov head: drop markov_head "
+                          "(--markov-head), or give it a drafter with one (`python -m ddtree train markov-fit`)")
     if drafter.markov is not None:
         if env_flag("DDTREE_MARKOV_HEAD", markov_head):  # the environment overrides the argument
             drafter.label += " + Markov head"
         else:
             drafter.set_markov_head(None)
-    name = Path(directory).name if target is not None else "SmolLM2-135M-Instruct"
+    name = ("SmolLM2-135M-Instruct" if target is None else given[0] if target is not given[0]  # a hub id: itself
+            else Path(directory).name)
     return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)

@@ -1,28 +1,33 @@
-"""Command line: `python -m ddtree generate ...`, `python -m ddtree compare ...` and `python -m ddtree chat`."""
+"""Command line: `python -m ddtree generate ...`, `python -m ddtree compare ...`, `python -m ddtree chat` and
+`python -m ddtree serve` (an OpenAI-compatible server: ddtree/serve.py)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import api
 from .api import QUANTS
 from .compare import compare as run_compare
-from .config import ConfigError, add_arithmetic_args
+from .config import ConfigError, SamplingParams, add_arithmetic_args, check_int
 from .loading import resolve_device
 from .method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
+from .serve import main as serve_main
 from .stops import check_stop
 from .train.cli import main as train_main
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="DFlash drafter directory (default: the shipped drafter for the default target)")
+    p.add_argument("--target", help="HF model directory, .gguf file or hub id org/name[@revision] (default: "
+                                    "embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="DFlash drafter directory or hub id (default: the shipped drafter for the "
+                                   "default target)")
     p.add_argument("--markov-head", action="store_true",
                    help="use the drafter's Markov head: each tree node's children from its own conditional "
                         "(ddtree/markov.py; DDTREE_MARKOV_HEAD=1 too)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: bf16 on CUDA and on CPUs with bf16 units, else fp32)")
+    p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on every CPU)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
                    help="attention backend (default: triton on CUDA, sdpa elsewhere)")
     p.add_argument("--quant", choices=QUANTS,
@@ -97,7 +102,26 @@ def main(argv: list[str] | None = None) -> int:
     _model_args(chat)
     _decode_args(chat, template_optional=False)
 
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pair (docs/serving.md); "
+                                       'needs pip install "ddtree[serve]"')
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    srv.add_argument("--served-model-name", help="the model id /v1/models lists (default: the target's name)")
+    srv.add_argument("--max-queue", type=int, default=16,
+                     help="requests that may wait to decode; one more is answered 429 (default: %(default)s)")
+    srv.add_argument("--method", default="ddtree", help="the default method of a request without a \"ddtree\" "
+                                                        "field: ar, dflash, ddtree, ddtree:N, ddtree:auto")
+    srv.add_argument("--budget", help="the default budget of a bare ddtree (default: auto on a CPU)")
+    srv.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
+    srv.add_argument("--temperature", type=float, default=0.0, help="a request's default (default: %(default)s)")
+    srv.add_argument("--top-p", type=float, default=1.0)
+    srv.add_argument("--top-k", type=int, default=0)
+    srv.add_argument("--max-new-tokens", type=int, default=256, help="a request's default max_tokens")
+    _model_args(srv)
+
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve_main(args)  # FastAPI and uvicorn (an optional extra) are imported when it starts
     try:
         device = resolve_device(args.device)  # a bare ddtree's default budget depends on it
         if args.command in ("generate", "chat"):  # bad method specs and stops fail before the model loads
@@ -141,6 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`generate --stream | head -c 10`): stop quietly
+        return _stdout_gone()
+    return 0
+
+
+def _stdout_gone() -> int:
+    """stdout's reader has closed the pipe: point stdout at /dev/null, so that the interpreter's last flush does
+    not report the pipe again ("Exception ignored ... BrokenPipeError"), and end with 0 (what was read is whole)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file behind stdout (a test's capture): nothing to flush
+        pass
     return 0
 
 
@@ -155,6 +192,9 @@ def chat_loop(pair, method: MethodSpec, seed, system, decoding: dict) -> int:
     at the prompt ends it; Ctrl-C during an answer drops that turn."""
     if not getattr(pair.tokenizer, "chat_template", None):
         raise ConfigError("chat needs a target whose tokenizer has a chat template; use `generate --no-chat` here")
+    # the settings are checked once, here: a ConfigError in a turn below is that turn's own (its text), not fatal
+    SamplingParams(decoding["temperature"], decoding["top_p"], decoding["top_k"])
+    check_int("max_new_tokens", decoding["max_new_tokens"], 1)
     messages = [{"role": "system", "content": system}] if system else []
     print(f"ddtree chat: {pair.name}, method {method.label}; 'exit' or Ctrl-D ends it", file=sys.stderr)
     while True:
@@ -163,11 +203,19 @@ def chat_loop(pair, method: MethodSpec, seed, system, decoding: dict) -> int:
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
+        except (RuntimeError, ValueError, OSError):  # stdin closed or gone ("input(): lost sys.stdin"): no more input
+            print("\n[no input: stdin is closed]", file=sys.stderr)
+            return 0
         if line.strip() in ("exit", "quit"):
             return 0
         if not line.strip():
             continue
-        stream = pair.stream(messages + [{"role": "user", "content": line}], method=method, seed=seed, **decoding)
+        try:
+            messages, ids = fit_context(pair, messages, line, decoding["max_new_tokens"])
+        except ConfigError as e:  # this message alone cannot be answered: the conversation goes on without it
+            print(f"[{e}; not sent, the conversation is kept]", file=sys.stderr, flush=True)
+            continue
+        stream = pair.stream(ids, method=method, seed=seed, **decoding)
         try:
             for piece in stream:
                 print(piece, end="", flush=True)
@@ -179,3 +227,24 @@ def chat_loop(pair, method: MethodSpec, seed, system, decoding: dict) -> int:
         print()
         print(f"[{method.label}] {s.new_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_second:.1f} tok/s, "
               f"stop: {stop_text(s)}", file=sys.stderr, flush=True)
+
+
+def fit_context(pair, messages: list[dict], line: str, max_new_tokens: int) -> tuple[list[dict], list[int]]:
+    """(the conversation to keep, the prompt's token ids) for a new user message `line`: the oldest turns (a user
+    message and its answer) are dropped, the system message kept, until the prompt leaves max_new_tokens of room in
+    the target's context, with a notice on stderr; a ConfigError when the message alone does not fit the context."""
+    context = pair.target.cfg.max_position_embeddings
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    kept = list(messages)
+    ids = pair.encode(kept + [{"role": "user", "content": line}])
+    while len(ids) + max_new_tokens > context and len(kept) > first:
+        del kept[first:first + 2]
+        ids = pair.encode(kept + [{"role": "user", "content": line}])
+    if len(ids) >= context:
+        raise ConfigError(f"this message makes a prompt of {len(ids)} tokens{' with the system message' * first}, "
+                          f"and the target's context holds {context}: send a shorter one")
+    if dropped := (len(messages) - len(kept)) // 2:
+        print(f"[context: the oldest {dropped} turn{'s' * (dropped > 1)} dropped to fit the target's {context}-token "
+              f"context{' (the system message kept)' * first}; {(len(kept) - first) // 2} kept]", file=sys.stderr,
+              flush=True)
+    return kept, ids

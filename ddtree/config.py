@@ -61,6 +61,37 @@ def cli_int(low: int):
     return parse
 
 
+RESTORE = "restore the config.json that came with the weights"
+# Upper bounds far above any published model's, so that a damaged or hostile config.json is refused before it
+# shapes (and allocates) tensors; each with a config.json field name where it differs from ours.
+SIZE_LIMITS = {"vocab_size": 1 << 24, "hidden_size": 1 << 16, "intermediate_size": 1 << 20, "num_layers": 1024,
+               "num_heads": 1024, "num_kv_heads": 1024, "head_dim": 4096,
+               "max_position_embeddings": (1 << 31) - 1}  # no tensor is shaped by it: caches follow the prompt
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads"}
+
+
+def config_size(name: str, value, limit: int) -> int:
+    """A size from a config.json: an integer (not 576.0, "576" or true) within 1..limit, else a ConfigError naming
+    the field, the value and the fix."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"config field {name} must be an integer, got {value!r} ({type(value).__name__}): "
+                          f"{RESTORE}")
+    if not 1 <= value <= limit:
+        raise ConfigError(f"config field {name} must be within 1..{limit}, got {value}: {RESTORE}")
+    return int(value)
+
+
+def config_index(name: str, value, n: int) -> int:
+    """An index from a config.json (a token id, a layer number): an integer within 0..n-1, else a ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"config field {name} must be an integer, got {value!r} ({type(value).__name__}): "
+                          f"{RESTORE}")
+    if not 0 <= value < n:
+        raise ConfigError(f"config field {name} must be within 0..{n - 1}, got {value}: {RESTORE}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama/Qwen-family decoder (target or drafter)."""
@@ -85,10 +116,12 @@ class ModelConfig:
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
             raise ConfigError(f"unsupported architecture {self.arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if int(getattr(self, name)) < 1:
-                raise ConfigError(f"config field {name} must be >= 1, got {getattr(self, name)}")
+        for name, limit in SIZE_LIMITS.items():  # before any tensor is shaped by them
+            object.__setattr__(self, name, config_size(HF_NAMES.get(name, name), getattr(self, name), limit))
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive number, got {value!r}: {RESTORE}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_kv_heads})")
@@ -116,6 +149,10 @@ class ModelConfig:
                                "num_attention_heads") if k not in cfg]
         if missing:
             raise ConfigError(f"config.json lacks {', '.join(missing)}: restore the model's original config.json")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings"):  # checked before any arithmetic
+            if cfg.get(key) is not None:
+                config_size(key, cfg[key], SIZE_LIMITS[next((k for k, v in HF_NAMES.items() if v == key), key)])
         heads = cfg["num_attention_heads"]
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
@@ -126,7 +163,12 @@ class ModelConfig:
                               "and config.json gives no head_dim: restore the config.json that came with the weights "
                               "(or add head_dim)")
         eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        for t in eos:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise ConfigError(f"config field eos_token_id must be a token id or a list of them, got "
+                                  f"{cfg['eos_token_id']!r}: {RESTORE}")
+        eos = tuple(int(t) for t in eos)
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -137,7 +179,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=float(theta) if isinstance(theta, numbers.Real) and not isinstance(theta, bool) else theta,
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),

@@ -8,6 +8,7 @@ projected once, when tokens are committed, and kept in the drafter's KVCache; bl
 from __future__ import annotations
 
 import json
+import numbers
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,10 +17,11 @@ import torch
 from torch import nn
 
 from .attention import Visibility, attend, window_visible
-from .config import ConfigError, ModelConfig, read_config
+from .config import (RESTORE, SIZE_LIMITS, ConfigError, ModelConfig, config_index, config_size,
+                     read_config)
 from .kv_cache import ContextCache, KVCache, add_context, flush_context
 from .layers import DecoderLayer, RMSNorm, Rotary
-from .loading import check_shapes, read_safetensors
+from .loading import check_weights, read_safetensors, safetensors_shapes
 from .markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
 
 WEIGHTS_NAME = "model.safetensors"
@@ -38,6 +40,7 @@ DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size", "use_swa", "sw
 # Published keys (reference DFlash code) that change the computation unless they hold the identity value.
 IDENTITY_KEYS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MAX_BLOCK_SIZE = 1024  # far above any published drafter's (16)
 
 
 @dataclass(frozen=True)
@@ -104,16 +107,30 @@ class DrafterConfig:
             raise ConfigError("not a DFlash drafter config: config.json needs block_size, num_target_layers and "
                               "dflash_config.mask_token_id")
         model = ModelConfig.from_hf({**cfg, "model_type": "qwen3"})
-        n_target = cfg.get("num_target_layers")
+        # every number checked before it shapes a tensor: an integer (576.0 or "576" is no size) in a sane range
+        n_target = config_size("num_target_layers", cfg.get("num_target_layers"), SIZE_LIMITS["num_layers"])
         ids = dflash.get("target_layer_ids") or default_tap_layers(n_target, model.num_layers)
+        if not isinstance(ids, (list, tuple)):
+            raise ConfigError(f"config field dflash_config.target_layer_ids must be a list of layer numbers, got "
+                              f"{ids!r}: {RESTORE}")
+        ids = [config_index("dflash_config.target_layer_ids", i, n_target) for i in ids]
+        block_size = config_size("block_size", block_size, MAX_BLOCK_SIZE)
+        mask = config_index("dflash_config.mask_token_id", dflash["mask_token_id"], model.vocab_size)
         draft_vocab = cfg.get("draft_vocab_size")
+        if draft_vocab is not None:
+            draft_vocab = config_size("draft_vocab_size", draft_vocab, model.vocab_size)
         markov = cfg.get(MARKOV_KEY)
         if markov is not None and not (isinstance(markov, dict) and {"rank", "candidates"} <= set(markov)):
             raise ConfigError(f"drafter {MARKOV_KEY} must be {{\"rank\": r, \"candidates\": M}}, got {markov!r}")
-        return cls(model, int(block_size), int(dflash["mask_token_id"]), tuple(ids), int(n_target),
-                   None if draft_vocab is None else int(draft_vocab),
-                   **_attention_options(cfg, dflash, model.num_layers),
-                   markov=None if markov is None else (markov["rank"], markov["candidates"]))
+        if markov is not None:  # its tensors are [hidden, rank] and [rank, draft vocab]: a low rank, by design
+            markov = (markov["rank"], markov["candidates"])
+            for name, value, limit in (("rank", markov[0], model.hidden_size),
+                                       ("candidates", markov[1], draft_vocab or model.vocab_size)):
+                if _is_int(value) and value > limit:  # not an integer, or < 1: __post_init__ says so
+                    raise ConfigError(f"config field {MARKOV_KEY}.{name} must be within 1..{limit}, got {value}: "
+                                      f"{RESTORE}")
+        return cls(model, block_size, mask, tuple(ids), n_target, draft_vocab,
+                   **_attention_options(cfg, dflash, model.num_layers), markov=markov)
 
     def to_hf(self) -> dict:
         out = self.model.to_hf()
@@ -158,6 +175,10 @@ class DrafterConfig:
         if problems:
             raise ConfigError("drafter does not match the target: " + "; ".join(problems) +
                               ". Use a drafter trained for this target.")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _attention_options(cfg: dict, dflash: dict, num_layers: int) -> dict:
@@ -349,21 +370,41 @@ class DFlashDrafter(nn.Module):
         """With `target`, its config is checked against the drafter's before any weights are read (the
         mismatch named, not a size error), and the drafter comes back bound to it."""
         directory = Path(directory)
-        cfg = DrafterConfig.from_hf(read_config(directory))
+        try:
+            cfg = DrafterConfig.from_hf(read_config(directory))
+        except ConfigError as e:
+            raise ConfigError(f"drafter {directory}: {e}") from None
         if target is not None:
             cfg.check_target(target.cfg)
-        drafter = cls(cfg, attention_backend)
-        state = read_safetensors(directory)
-        state = {k.removeprefix("model."): v for k, v in state.items()}  # tolerate a "model." prefix
         shared = ("embed_tokens.weight", "t2d") + (() if cfg.reduced_vocab else ("lm_head.weight",))
-        state = {k: v for k, v in state.items() if k not in shared}  # the target's (or, t2d, unused: vLLM skips it)
-        check_shapes(drafter, state, directory)
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ConfigError(f"drafter checkpoint {directory} does not match its config.json: missing "
-                              f"{sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}")
+
+        def own(tensors: dict) -> dict:  # a "model." prefix tolerated; the target's tensors (and t2d, unused) dropped
+            tensors = {k.removeprefix("model."): v for k, v in tensors.items()}
+            return {k: v for k, v in tensors.items() if k not in shared}
+
+        # Built on the meta device and checked against the weights' header first: a config.json that does not
+        # describe these weights (300 layers, a float size, a huge Markov rank) allocates nothing.
+        drafter = cls.on_meta(cfg, attention_backend)
+        check_weights(drafter, own(safetensors_shapes(directory)), directory)
+        drafter.fill(own(read_safetensors(directory)), directory)
         drafter = drafter.to(device=device, dtype=dtype).eval()
         return drafter if target is None else drafter.bind(target)
+
+    @classmethod
+    def on_meta(cls, cfg: DrafterConfig, attention_backend: str = "sdpa") -> "DFlashDrafter":
+        """A drafter of this config whose tensors have shapes but no memory yet (fill gives them their values)."""
+        with torch.device("meta"):
+            return cls(cfg, attention_backend)
+
+    def fill(self, state: dict, source) -> "DFlashDrafter":
+        """An on_meta drafter's tensors from `state` (taken as they are, no copy); a ConfigError when it does not
+        match the config. The derived RoPE buffer is made anew."""
+        check_weights(self, state, source)
+        # a plain dict: load_state_dict(assign=True) marks a state_dict's own _metadata, and a later plain
+        # load_state_dict of that same state_dict (Trainer.load_state) would then replace the parameters too
+        self.load_state_dict(dict(state), strict=True, assign=True)
+        self.rotary = Rotary(self.cfg.model)
+        return self
 
 
 def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: int = 0,

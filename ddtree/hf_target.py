@@ -12,6 +12,7 @@ Recurrent / linear-attention layers are refused: a tree verify needs a separate 
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +119,9 @@ class HFTarget(nn.Module):
         self._softcap = getattr(text, "final_logit_softcapping", None)
         self._scale = getattr(text, "logit_scale", None) or 1.0
         self._divide = getattr(text, "logits_scaling", None) or 1.0
+        # the cache's keyword: `cache` in newer transformers, where `past_key_values` is deprecated for removal
+        params = inspect.signature(model.base_model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def device(self) -> torch.device:
@@ -173,7 +177,7 @@ class HFTarget(nn.Module):
         hooks = [self._layers[i].register_forward_hook(keep(i)) for i in set(tap_layers)]
         try:
             out = self.hf.base_model(input_ids=tokens[None], position_ids=positions[None], attention_mask=mask,
-                                     past_key_values=cache, use_cache=True)
+                                     use_cache=True, **{self._cache_arg: cache})
         finally:
             for h in hooks:
                 h.remove()

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -77,12 +78,7 @@ def default_target_path() -> Path:
     return path
 
 
-def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors or of a sharded model.safetensors.index.json."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
+def _weight_files(directory: Path) -> list[str]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -90,8 +86,33 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{directory} has no *.safetensors weights")
+    return files
+
+
+def safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the weights files' headers alone (no tensor data is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    shapes = {}
+    for name in _weight_files(directory):
+        try:
+            with safe_open(str(directory / name), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {directory / name} ({e}); the file is missing or corrupt") from e
+    return shapes
+
+
+def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors or of a sharded model.safetensors.index.json."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
     state = {}
-    for name in files:
+    for name in _weight_files(directory):
         try:
             state.update(load_file(str(directory / name)))
         except (SafetensorError, OSError, ValueError) as e:
@@ -217,12 +238,35 @@ def check_shapes(module: torch.nn.Module, state: dict[str, torch.Tensor], source
     """A ConfigError naming every tensor whose shape differs from what the config.json implies, raised before
     torch's own size-mismatch error (which names neither the file nor the fix)."""
     expected = module.state_dict()
-    bad = [f"{k} is {list(v.shape)} in the weights but {list(expected[k].shape)} by config.json"
-           for k, v in state.items() if k in expected and tuple(v.shape) != tuple(expected[k].shape)]
+    shape = lambda v: tuple(v.shape) if hasattr(v, "shape") else tuple(v)  # noqa: E731 - a tensor or a header's shape
+    bad = [f"{k} is {list(shape(v))} in the weights but {list(expected[k].shape)} by config.json"
+           for k, v in state.items() if k in expected and shape(v) != tuple(expected[k].shape)]
     if bad:
         more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
         raise ConfigError(f"the weights in {source} do not match its config.json: {'; '.join(bad[:3])}{more}. "
                           "Restore the config.json that came with these weights")
+
+
+def check_weights(module: torch.nn.Module, shapes: dict, source, optional=()) -> None:
+    """check_shapes, and every tensor of `module` (a meta-device one: nothing allocated) present in the weights and
+    nothing else, from the weights' header shapes (safetensors_shapes) BEFORE any tensor data is read: a config.json
+    whose layer count or sizes are not those of its weights is refused with the field and the fix. optional:
+    names the module has that the weights may lack (a tied LM head)."""
+    check_shapes(module, shapes, source)
+    expected = module.state_dict()
+    missing = sorted(k for k in expected if k not in shapes and k not in optional)
+    unexpected = sorted(k for k in shapes if k not in expected)
+    if not (missing or unexpected):
+        return
+    def layers(names) -> set[int]:
+        return {int(m.group(1)) for k in names if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", k))}
+
+    have, want = layers(shapes), layers(expected)
+    if have != want and have:
+        raise ConfigError(f"{source}: config.json gives num_hidden_layers={len(want)}, and the weights hold "
+                          f"{len(have)} layers: restore the config.json that came with these weights")
+    raise ConfigError(f"weights in {source} do not match its config.json: missing {missing[:6]}, unexpected "
+                      f"{unexpected[:6]}. Restore the config.json that came with these weights")
 
 
 TARGET_BACKENDS = ("auto", "own", "hf")
@@ -271,6 +315,9 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
     backend = attention_backend
     with torch.device("meta"):  # no random init of weights we are about to replace
         model = TargetModel(cfg, backend)
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    check_weights(model, {k: v for k, v in safetensors_shapes(directory).items() if k not in tied}, directory,
+                  optional=tied)
     state = read_safetensors(directory)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -300,8 +347,17 @@ def stop_token_ids(directory: Path, cfg: ModelConfig, tokenizer) -> tuple[int, .
     ids = set(cfg.eos_token_ids)
     gen = Path(directory) / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:  # AttributeError: not an object
+            raise ConfigError(f"{gen} is not a valid generation config ({type(e).__name__}: {e}); restore the file "
+                              "that came with the model, or delete it (its end-of-text ids are then read from "
+                              "config.json and the tokenizer)") from None
+        eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos):
+            raise ConfigError(f"{gen}: eos_token_id must be a token id or a list of them, got {eos!r}; restore the "
+                              "file that came with the model, or delete it")
+        ids.update(eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

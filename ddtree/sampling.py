@@ -11,7 +11,11 @@ from .config import SamplingParams
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (fp32) after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    scaled = logits / params.temperature
+    if torch.isposinf(scaled).any():  # a tiny temperature overflowed: the same distribution, scaled from the max
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # (the top token(s) at 0)
+    logits = scaled
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

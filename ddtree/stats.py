@@ -58,14 +58,32 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length per target verify pass, bonus token included (1.0 for plain decoding)."""
-        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+        """Mean accepted length per target verify pass, bonus token included (1.0 for plain decoding, and for an
+        answer that ended at the prefill's token: no step, so nothing drafted and nothing gained)."""
+        if not self.acceptance_lengths:
+            return 1.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
     @property
     def tokens_per_second(self) -> float:
+        """End to end: new tokens over the whole call, prefill included."""
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_seconds(self) -> float:
+        """The time after the first token (the prefill's): the decoding steps alone."""
+        return max(0.0, self.seconds - self.time_to_first_token)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Decode only, as the DDTree reference reports it (its clock starts after the prefill): the tokens after
+        the first over the time after it; 0.0 where there is none or the prefill was not timed apart."""
+        if self.new_tokens < 2 or self.decode_seconds <= 0 or self.time_to_first_token <= 0:
+            return 0.0
+        return (self.new_tokens - 1) / self.decode_seconds
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items()}
-        d.update(steps=self.steps, tau=self.tau, tokens_per_second=self.tokens_per_second)
+        d.update(steps=self.steps, tau=self.tau, tokens_per_second=self.tokens_per_second,
+                 decode_seconds=self.decode_seconds, decode_tokens_per_second=self.decode_tokens_per_second)
         return d

@@ -159,6 +159,8 @@ CLI_CASES = [  # (entry, argv, message); {file} is a plain file, {dir} an empty 
      "shard_00000.jsonl:2: not valid JSON .*delete it and rerun the same generate-data command"),
     ("train", ["fit", "--data", "{bad_chunk}", "--out", "{dir}"],
      "chunk_00000.npz is damaged .*delete it and rerun the same generate-data command"),
+    ("train", ["fit", "--data", "{data}", "--out", "{dir}", "--resume", "--draft-vocab", "64", "--target",
+               "/nonexistent"], "--draft-vocab shapes a new run's drafter; .*drop --draft-vocab"),
     ("train", ["generate-data", "--out", "{file}"], "--out {file} is a file"),
     ("train", ["generate-data", "--out", "{dir}", "--num-prompts", "0"], "argument --num-prompts: must be >= 1"),
     ("train", ["generate-data", "--out", "{dir}", "--threads", "-1"], "argument --threads: must be >= 1"),
@@ -208,3 +210,116 @@ def test_cli_bad_input(entry, argv, message, cli_files, capsys):
     err = capsys.readouterr().err
     assert code == 2 and re.search(message.format(**cli_files), err), err
     assert "Traceback" not in err
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+def test_a_long_chat_drops_its_oldest_turns_and_keeps_going(pair, monkeypatch, capsys):
+    """A conversation that outgrows the target's context (512 tokens here) loses its oldest turns, not the session:
+    the system message stays, every prompt leaves room for the answer, a notice says what was dropped; a message
+    that alone does not fit is refused and the conversation goes on; every line of input is answered."""
+    from ddtree.cli import chat_loop
+    from ddtree.method_spec import MethodSpec
+
+    context = pair.target.cfg.max_position_embeddings
+    sent = []
+    stream = pair.stream
+    monkeypatch.setattr(pair, "stream", lambda ids, **kw: sent.append(list(ids)) or stream(ids, **kw))
+    lines = [f"question {i}: " + "tell me more about it " * 5 for i in range(8)]
+    script = lines[:5] + ["x" * (context + 10)] + lines[5:]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in script)))
+    decoding = dict(block_size=None, temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, stop=[],
+                    stop_token_ids=None)
+    assert chat_loop(pair, MethodSpec.parse("ar", None, "cpu"), None, "SYSTEM", decoding) == 0
+    out, err = capsys.readouterr()
+    assert len(sent) == len(lines) and out.count("> ") == len(script) + 1  # all answered; the long one refused
+    assert all(len(ids) + 12 <= context for ids in sent)
+    assert all(pair.decode(ids).startswith("s: SYSTEM\n") for ids in sent)
+    assert all(f"question {i}" in pair.decode(ids) for i, ids in enumerate(sent))
+    assert "question 0" not in pair.decode(sent[-1]) and "question 6" in pair.decode(sent[-1])
+    assert re.search(r"\[context: the oldest \d+ turns? dropped to fit the target's 512-token context", err)
+    assert re.search(r"prompt of \d+ tokens with the system message, and the target's context holds 512: send a "
+                     r"shorter one; not sent, the conversation is kept", err)
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+@pytest.mark.parametrize("stdin", ["none", "closed"])
+def test_chat_ends_cleanly_when_stdin_is_closed(model_dir, stdin, monkeypatch, capsys):
+    """`chat <&-` (no stdin: "input(): lost sys.stdin") or a closed one: exit 0, no traceback."""
+    closed = io.StringIO("Hi\n")
+    closed.close()
+    monkeypatch.setattr("sys.stdin", None if stdin == "none" else closed)
+    assert cli(model_dir, "chat") == 0
+    err = capsys.readouterr().err
+    assert "stdin is closed" in err and "Traceback" not in err
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+def test_generate_stream_into_a_closed_pipe_ends_quietly(model_dir):
+    """`python -m ddtree generate --stream | head -c 10`: head closes the pipe after 10 bytes; the command ends with
+    exit 0 and says nothing more (a BrokenPipeError traceback before)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ddtree", "generate", "Tell me a story", "--stream", "--max-new-tokens", "64",
+           "--method", "ar", "--target", model_dir, "--device", "cpu", "--dtype", "float32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ,
+                                                                                      "PYTHONWARNINGS": "ignore"})
+    proc.stdout.close()  # what head does after its bytes; here before the first one, so that the writes surely fail
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "[ar] 64 tokens" not in err  # it stopped at the closed pipe
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+def test_stream_result_before_the_loop_ends_says_so():
+    """stream.result is the result once the stream is consumed; before that a ConfigError says what to do (None
+    before, and an AttributeError on .stats)."""
+    from ddtree.api import Pair
+    from ddtree.config import ConfigError
+    from ddtree.testing import random_pair
+
+    target, drafter = random_pair("llama", seed=11)
+    pair = Pair(target, drafter, char_tokenizer())
+    stream = pair.stream("Hello", method="ar", max_new_tokens=6, chat=False)
+    with pytest.raises(ConfigError, match="stream.result is ready once the stream is consumed: iterate over it"):
+        stream.result
+    text = "".join(stream)
+    assert stream.result.text == text and stream.result.stats.new_tokens == 6
+
+
+@pytest.mark.parametrize("value", ["yes", "no", 1, None])
+def test_trace_must_be_a_bool(value):
+    from ddtree.api import Pair
+    from ddtree.config import ConfigError
+    from ddtree.testing import random_pair
+
+    pair = Pair(*random_pair("llama", seed=11), None)
+    with pytest.raises(ConfigError, match=f"trace must be True or False, got {value!r}"):
+        pair.generate([1, 2, 3], method="ar", max_new_tokens=4, trace=value)
+    assert pair.generate([1, 2, 3], method="ar", max_new_tokens=4, trace=True).trace is not None
+
+
+def test_markov_head_on_a_drafter_without_one_is_refused(model_dir, capsys):
+    """markov_head=True (--markov-head) with a drafter that has no head: a ConfigError naming the fix, not a silent
+    run without it."""
+    from ddtree.config import ConfigError
+
+    with pytest.warns(UserWarning, match="no trained drafter"), \
+            pytest.raises(ConfigError, match=r"markov_head=True, and the drafter \(untrained\) has no Markov head"):
+        ddtree.load(target=model_dir, device="cpu", dtype="float32", markov_head=True)
+    with pytest.warns(UserWarning, match="no trained drafter"):
+        assert cli(model_dir, "generate", "hi", "--markov-head", "--max-new-tokens", "2") == 2
+    assert "has no Markov head: drop markov_head (--markov-head)" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+@pytest.mark.parametrize("method", ["ar", "ddtree:4"])
+def test_a_one_token_answer_has_tau_one(model_dir, method, capsys):
+    """An answer that ends at the prefill's token had no decoding step: tau is 1.00 (nothing drafted, nothing
+    gained), not 0.00."""
+    assert cli(model_dir, "generate", "Hi", "--method", method, "--max-new-tokens", "1") == 0
+    assert ", tau 1.00, " in capsys.readouterr().err
+    assert cli(model_dir, "generate", "Hi", "--method", method, "--max-new-tokens", "1", "--json") == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["steps"] == 0 and stats["tau"] == 1.0

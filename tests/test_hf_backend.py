@@ -197,3 +197,15 @@ def test_attention_layout_reads_one_kwargs_dict_for_all_layers(monkeypatch):
     monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
                         lambda c: (["sliding_attention", "full_attention", "sliding_attention"], {"sliding_window": 5}))
     assert attention_layout(cfg) == (["sliding_attention", "full_attention", "sliding_attention"], [5, None, 5])
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_the_hf_backend_passes_transformers_no_deprecated_argument(hf_dirs, arch):
+    """transformers 5.x deprecates forward(past_key_values=) for removal (a FutureWarning on every pass): the
+    backend passes its cache under the name the installed transformers takes."""
+    target = load_target(hf_dirs[arch], torch.float32, "cpu", backend="hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        tokens, _ = run(target, None, [1, 2, 3], "ar", max_new_tokens=4)
+    assert len(tokens) == 4

@@ -300,3 +300,81 @@ def test_a_drafters_markov_head_is_used_when_asked(model_dirs, tmp_path, monkeyp
     _edit_json(tmp_path / "with-head" / "config.json", markov_head={"rank": 0, "candidates": 8})
     with pytest.raises(ConfigError, match="markov_head needs positive integers"):
         ddtree.load(target=target_dir, draft=tmp_path / "with-head")
+
+
+CONFIG_CASES = [  # (which config.json, changes, message): each refused before a tensor is built or a weight read
+    ("target", {"hidden_size": 64.0}, r"config field hidden_size must be an integer, got 64.0 \(float\): restore the "
+                                      r"config.json that came with the weights"),
+    ("target", {"vocab_size": "96"}, r"config field vocab_size must be an integer, got '96' \(str\)"),
+    ("target", {"num_hidden_layers": 300}, r"num_hidden_layers=300, and the weights hold 6 layers: restore"),
+    ("target", {"intermediate_size": 10**9}, r"config field intermediate_size must be within 1\.\.1048576, got "
+                                             r"1000000000: restore"),
+    ("target", {"rope_theta": "big"}, r"config field rope_theta must be a positive number, got 'big'"),
+    ("drafter", {"hidden_size": 64.0}, r"drafter .*config field hidden_size must be an integer, got 64.0"),
+    ("drafter", {"num_hidden_layers": 300}, r"num_hidden_layers=300, and the weights hold 2 layers: restore"),
+    ("drafter", {"intermediate_size": 1 << 20}, r"mlp.gate_proj.weight is \[128, 64\] in the weights but "
+                                                r"\[1048576, 64\] by config.json"),
+    ("drafter", {"intermediate_size": 10**9}, r"config field intermediate_size must be within 1\.\.1048576"),
+    ("drafter", {"block_size": 8.0}, r"config field block_size must be an integer, got 8.0"),
+    ("drafter", {"num_target_layers": "6"}, r"config field num_target_layers must be an integer, got '6'"),
+    ("drafter", {"markov_head": {"rank": 10**6, "candidates": 32}},
+     r"config field markov_head.rank must be within 1\.\.64, got 1000000: restore"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+@pytest.mark.parametrize("which,changes,message", CONFIG_CASES)
+def test_config_sizes_are_checked_before_anything_is_allocated(model_dirs, monkeypatch, which, changes, message):
+    """Sizes in a target's or drafter's config.json must be integers, in a sane range and those of the weights'
+    header: a float, a string, 300 layers where the file has 2 (or 6), an intermediate_size of 10**9 or a Markov
+    rank of 10**6 is a ConfigError naming the field, the value and the fix; every model is built on the meta device
+    (no memory), and no weight data is read before the config is found to match its weights."""
+    from ddtree import drafter as drafter_module, loading
+
+    target_dir, drafter_dir = model_dirs
+    _edit_json((target_dir if which == "target" else drafter_dir) / "config.json", **changes)
+    built = []
+    init = drafter_module.DFlashDrafter.__init__
+
+    def spy(self, *args, **kw):
+        init(self, *args, **kw)
+        built.append(self.fc.weight.device.type)
+
+    monkeypatch.setattr(drafter_module.DFlashDrafter, "__init__", spy)
+    read = loading.read_safetensors
+
+    def no_reads(directory):
+        if Path(directory) == Path(target_dir if which == "target" else drafter_dir):
+            raise AssertionError(f"the weights of {directory} were read before the config was checked")
+        return read(directory)
+
+    monkeypatch.setattr(loading, "read_safetensors", no_reads)
+    monkeypatch.setattr(drafter_module, "read_safetensors", no_reads)
+    with pytest.raises(ConfigError, match=message):
+        ddtree.load(target=target_dir, draft=drafter_dir)
+    assert set(built) <= {"meta"}
+
+
+def test_a_drafter_is_built_on_the_meta_device_and_filled_from_its_file(model_dirs):
+    """DFlashDrafter.load builds no random weights: the loaded drafter equals the saved one exactly."""
+    from safetensors.torch import load_file
+
+    from ddtree.drafter import DFlashDrafter
+
+    _, drafter_dir = model_dirs
+    saved = load_file(str(drafter_dir / "model.safetensors"))
+    loaded = DFlashDrafter.load(drafter_dir)
+    state = loaded.state_dict()
+    assert set(state) == set(saved) - {"embed_tokens.weight", "lm_head.weight"}
+    assert all(torch.equal(state[k], saved[k]) for k in state)
+    assert loaded.rotary.inv_freq.device.type == "cpu"
+
+
+@pytest.mark.filterwarnings("ignore:ddtree. no trained drafter")
+@pytest.mark.parametrize("text", ['{"eos_token_id": 2,', "[1, 2]", '{"eos_token_id": "</s>"}', "\udcff"])
+def test_a_damaged_generation_config_is_refused_with_the_fix(model_dirs, text):
+    target_dir, _ = model_dirs
+    (target_dir / "generation_config.json").write_text(text, errors="surrogateescape")
+    with pytest.raises(ConfigError, match=r"generation_config.json.*restore the file that came with the model, or "
+                                          r"delete it"):
+        ddtree.load(target=target_dir)

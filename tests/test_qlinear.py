@@ -2,6 +2,7 @@
 dequantize-then-float reference, row results independent of the batch, the float32 / bf16 / packed / 8-bit paths,
 the AVX-512 build against the AVX2 one, and the compiled library in the cache. The first test builds the kernel."""
 import random
+import re
 
 import gguf
 import pytest
@@ -402,3 +403,19 @@ def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
             qlinear.cpu_kernel_available()
     finally:
         qlinear.cpu_kernel_available.cache_clear()
+
+
+def test_a_cold_build_says_so_and_keeps_saying_so(tmp_path, monkeypatch, capsys):
+    """A build announces itself with how long it takes, then a notice every BUILD_NOTICE_EVERY seconds while the
+    compiler runs (a cold first load was 137 s of silence); the damaged-build notice reads as a sentence."""
+    from ddtree.cpu import qlinear
+
+    monkeypatch.setattr(qlinear, "BUILD_NOTICE_EVERY", 0.05)
+    build, folder = tiny_build(tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert "building the tiny test extension (once, ~1-2 min; cached in" in err
+    assert re.search(r"still building the tiny test extension \(\d+ s so far\)", err)
+    damage(library_of(folder), b"")
+    assert build().answer() == 42
+    err = capsys.readouterr().err
+    assert "the tiny test extension, compiled in " in err and "compiled the" not in err

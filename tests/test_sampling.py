@@ -170,3 +170,20 @@ def test_sampling_kernel_is_the_inverse_cdf_and_never_draws_a_zero():
     for token, p in zip([5, 100, 30000, 49151], [0.4, 0.3, 0.2, 0.1]):
         share = float((draws == token).float().mean())
         assert abs(share - p) < 4 * math.sqrt(p * (1 - p) / 4000), (token, share, p)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30])
+def test_a_tiny_temperature_samples_the_top_token(temperature):
+    """logits / 1e-40 overflow float32: the distribution is still the limit one (all mass on the top token), never
+    a row with "no probability mass"; decoding at such a temperature gives the greedy tokens, for every method."""
+    from ddtree.api import Pair
+    from ddtree.testing import random_pair
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 5
+    probs = processed_probs(logits, SamplingParams(temperature=temperature))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+    pair = Pair(*random_pair("llama", seed=3), None)
+    greedy = pair.generate([1, 2, 3], method="ar", max_new_tokens=8).token_ids
+    for method in ("ar", "ddtree"):
+        assert pair.generate([1, 2, 3], method=method, max_new_tokens=8, temperature=temperature,
+                             seed=1).token_ids == greedy

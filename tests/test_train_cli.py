@@ -38,7 +38,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     assert main(fit + ["--max-steps", "2"]) == 0
     assert main(fit) == 2  # the run exists: --resume is required
     assert main(fit + ["--resume"]) == 0
-    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
     assert state["step"] == state["config"]["epochs"] * (len(read_sequences(data)) // 2)
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "exported"), "--data", str(data)]) == 0
     drafter = DFlashDrafter.load(tmp_path / "exported")

@@ -306,3 +306,75 @@ def test_tau_on_training_prompts_is_labelled(tiny_data, tmp_path):
     assert [r["tau_prompts"] for r in _log(tmp_path / "run") if r["kind"] == "eval"] == ["train"]
     card = model_card(trainer.state(), tmp_path / "run", None, "float32", "t")
     assert "## Training curve" in card and "TRAINING prompts" in card and "held-out prompts" not in card
+
+
+class _Crafted:
+    """Unpickling this runs code: it writes a marker file (what a hostile checkpoint.pt would do)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+def test_a_crafted_checkpoint_runs_nothing(tmp_path, how, capsys):
+    """fit --resume and export --run read checkpoint.pt with weights_only=True: a file whose unpickling would run
+    code is refused with a ConfigError that says so, and the code never runs (no marker file)."""
+    import pickle
+
+    from ddtree.config import ConfigError
+    from ddtree.train.cli import main
+
+    marker, path = tmp_path / "marker", tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir()
+    crafted = {"drafter": {}, "drafter_config": {}, "step": 1, "config": _Crafted(marker)}
+    if how == "torch.save":
+        torch.save(crafted, path)
+    else:
+        path.write_bytes(pickle.dumps(crafted))
+    with pytest.raises(ConfigError, match="is not a training checkpoint.*refused without running anything"):
+        drafter_from_checkpoint(path)
+    assert main(["export", "--run", str(path.parent), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "refused without running anything" in err and "Traceback" not in err and "weights_only" not in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_an_old_pickled_checkpoint_is_refused_with_the_fix(tmp_path):
+    """A checkpoint of the old format (numpy's RNG state pickled) is not unpickled: the error names the fix."""
+    import numpy as np
+
+    from ddtree.config import ConfigError
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"drafter": {}, "drafter_config": {}, "step": 1, "config": {},
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}}, path)
+    with pytest.raises(ConfigError, match=r"older ddtree.*train export --run.*--init-from"):
+        drafter_from_checkpoint(path)
+
+
+def test_checkpoint_holds_only_tensors_and_plain_values(tiny_data, tmp_path):
+    """The checkpoint a run writes reads back with weights_only=True, RNG states included, and restoring them
+    continues every generator (torch, random, numpy) exactly where it was."""
+    import random
+
+    import numpy as np
+
+    from ddtree.train.trainer import rng_state, set_rng_state
+
+    target, data = tiny_data
+    trainer = Trainer(train_config(max_steps=1, val_sequences=0, eval_prompts=0), target, new_drafter(target),
+                      read_sequences(data, "train")[:4], tmp_path / "run")
+    path = trainer.save_checkpoint()
+    state = torch.load(path, weights_only=True)
+    assert state["format"] == 2 and torch.equal(state["rng"]["torch"], torch.get_rng_state())
+    np.random.normal()  # a cached gaussian in numpy's state
+    saved = rng_state()
+    expect = (torch.rand(3), random.random(), np.random.normal(2), np.random.randint(0, 2**31, 4))
+    np.random.seed(5), random.seed(5), torch.manual_seed(5)
+    set_rng_state(saved)
+    again = (torch.rand(3), random.random(), np.random.normal(2), np.random.randint(0, 2**31, 4))
+    assert torch.equal(expect[0], again[0]) and expect[1] == again[1]
+    assert np.array_equal(expect[2], again[2]) and np.array_equal(expect[3], again[3])

@@ -12,8 +12,11 @@ nn.Module that applies it.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,7 @@ from torch import nn
 
 from ..cache import build_lock, cache_root, import_library, notice, read_manifest, replacing_dir, seal, verify
 from ..config import CPU_KERNELS, ConfigError
-from ..kernels import SOURCE_DIR
+from ..kernel_files import kernel_dir
 from ..knobs import env_choice, env_flag
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
@@ -118,7 +121,7 @@ def build_kernel(isa: str = "avx2"):
     if isa == "avx512" and capability != "AVX512":
         raise ConfigError(f"the avx512 kernel (cpu_kernel='avx512' or DDTREE_CPU_ISA=avx512) on a CPU without AVX-512 "
                           f"(torch reports {capability!r}); choose cpu_kernel 'auto' or 'avx2'")
-    sources = [SOURCE_DIR / name for name in ("qlinear.cpp", "decoder.cpp", "int8_linear.cpp", "tree.cpp")]
+    sources = [kernel_dir() / name for name in ("qlinear.cpp", "decoder.cpp", "int8_linear.cpp", "tree.cpp")]
     # -ffp-contract=off: a product and a sum stay two roundings, as in torch's eager ops (decoder.cpp)
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"]
     if isa == "avx512":
@@ -148,7 +151,7 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
         problems = _verify_build(folder)
         if not problems:
             return _import_build(folder)
-        notice(f"the compiled {what} in {folder} is damaged or incomplete ({'; '.join(problems)}); building it again")
+        notice(f"{what}, compiled in {folder}, is damaged or incomplete ({'; '.join(problems)}); building it again")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -157,8 +160,8 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
     with build_lock(folder.with_name(folder.name + ".lock"), what):
         if folder.exists() and not _verify_build(folder):
             return _import_build(folder)  # built by another process while this one waited
-        notice(f"building {what} (once, ~1 min; cached in {folder})")
-        with replacing_dir(folder, what) as tmp:
+        notice(f"building {what} (once, ~1-2 min; cached in {folder})")
+        with replacing_dir(folder, what) as tmp, _still_building(what):
             try:
                 from torch.utils.cpp_extension import load
 
@@ -173,6 +176,28 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
             seal(tmp, files=[library], library=library, module=module.__name__, flags=list(flags),
                  torch=torch.__version__)
     return module
+
+
+BUILD_NOTICE_EVERY = 20.0  # seconds between the notices that a build is still running
+
+
+@contextlib.contextmanager
+def _still_building(what: str):
+    """A notice every BUILD_NOTICE_EVERY seconds while the compiler runs (a cold build takes a minute or two, and
+    says nothing of its own)."""
+    done, t0 = threading.Event(), time.monotonic()
+
+    def beat():
+        while not done.wait(BUILD_NOTICE_EVERY):
+            notice(f"still building {what} ({time.monotonic() - t0:.0f} s so far)")
+
+    thread = threading.Thread(target=beat, daemon=True, name="ddtree-build-notice")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _verify_build(folder: Path) -> list[str]:

@@ -274,6 +274,11 @@ def _check_markov_args(args) -> None:
     if args.resume:
         if args.markov_rank:
             raise ConfigError("--markov-rank starts a head; a resumed run keeps its own drafter: drop --markov-rank")
+        for name in ("draft_vocab", "init_from", "layers_from_target"):  # they shape a new drafter only
+            if getattr(args, name) is not None:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} shapes a new run's drafter; a resumed run keeps its own drafter "
+                                  f"(and vocabulary): drop {flag}, or start a new --out with it")
         return
     if args.markov_lr is not None and not args.markov_weight:
         raise ConfigError("--markov-lr is the head's learning rate with --markov-weight: add --markov-weight W, or "
@@ -503,9 +508,9 @@ def cmd_markov_fit(args) -> int:
         drafter.save(tmp, torch.bfloat16)
         if (source / "README.md").is_file():
             shutil.copy(source / "README.md", tmp / "README.md")
-    print(f"markov-fit: drafter with its head written to {out}. Other engines (vLLM, SGLang) load it as the plain "
-          f"drafter: they read neither config.json's {MARKOV_KEY!r} nor the markov.* tensors (`quantize "
-          "--drop-markov` writes a copy without them)")
+    print(f"markov-fit: drafter with its head written to {out}. Other engines do not use the head: vLLM refuses "
+          f"a drafter with the markov.* tensors, SGLang ignores them and config.json's {MARKOV_KEY!r}; write a copy "
+          "without them for those engines (docs/serving.md; `quantize --drop-markov` also rounds to 8-bit blocks)")
     return 0
 
 

@@ -13,9 +13,12 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
+import re
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -121,7 +124,10 @@ class FeatureSource:
     def _load(self, seq: Sequence, tokens: torch.Tensor):
         if self.dir is None or not (path := self._path(seq, tokens)).is_file():
             return None
-        saved = torch.load(path)
+        try:
+            saved = torch.load(path, weights_only=True)  # tensors only: never unpickle objects from a file
+        except Exception:  # noqa: BLE001 - a damaged or foreign cache file: computed (and written) again
+            return None
         feats, teacher = (saved, None) if torch.is_tensor(saved) else (saved["taps"], saved["teacher"])
         dev = self.target.device
         teacher = None if teacher is None else (teacher[0].to(dev).float(), teacher[1].to(dev).long())
@@ -326,8 +332,7 @@ class Trainer:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "label_tokens": self.label_tokens, "seq_tokens": self.seq_tokens,
                 "train_seconds": self.train_seconds, "config": asdict(self.cfg), "num_train": len(self.train_seqs),
-                "world": self.world,
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+                "world": self.world, "format": CHECKPOINT_FORMAT, "rng": rng_state()}
 
     def save_checkpoint(self) -> Path:
         path = self.out_dir / CHECKPOINT
@@ -350,9 +355,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.label_tokens, self.seq_tokens = state["step"], state["label_tokens"], state["seq_tokens"]
         self.train_seconds = state.get("train_seconds", 0.0)
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        set_rng_state(state["rng"])
         self._trim_log()
 
     def _logged(self) -> list[dict | None]:
@@ -446,16 +449,66 @@ def _json_or_none(line: str):
         return None
 
 
-def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
+# 2: read with torch.load(weights_only=True): tensors and plain Python values only (the RNG states as tensors and
+# lists, see rng_state). Format 1 pickled numpy's RNG state, which only a full unpickler reads: such a file is
+# refused, never unpickled, since unpickling a file runs whatever code it names.
+CHECKPOINT_FORMAT = 2
+
+
+def rng_state() -> dict:
+    """The torch, Python and numpy RNG states as tensors and plain values (what weights_only=True reads back)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def set_rng_state(state: dict) -> None:
+    """rng_state's inverse: every generator continues exactly where it was saved."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+
+
+def read_checkpoint(path) -> dict:
+    """A training checkpoint's state, read with weights_only=True: a file that holds anything but tensors and plain
+    values (an older ddtree's checkpoint, or a crafted one) is refused with a ConfigError; none of its code runs."""
     not_one = f"is not a training checkpoint: pass a `train fit` run directory or its {CHECKPOINT}"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - unpickling a file that is no checkpoint fails in many ways
-        raise ConfigError(f"{path} {not_one} ({type(e).__name__}: {e})") from None
+        with warnings.catch_warnings():  # torch's note on a plain pickle's protocol: the error below says it all
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refused what it read: nothing of the file has run
+        named = re.findall(r"GLOBAL (\S+)", str(e))
+        if named and named[0].startswith("numpy"):
+            raise ConfigError(f"{path} is a checkpoint of an older ddtree (it pickles numpy's RNG state), which is "
+                              "not read: unpickling a file can run code. Export its drafter with the ddtree version "
+                              "that wrote it (`train export --run`) and go on with `train fit --init-from` that "
+                              "drafter, or start the run again") from None
+        why = f"it names Python code ({named[0]}) that a checkpoint never holds" if named else "not a checkpoint's data"
+        raise ConfigError(f"{path} {not_one} ({why}; refused without running anything)") from None
+    except Exception as e:  # noqa: BLE001 - a file that is no checkpoint fails in many ways
+        raise ConfigError(f"{path} {not_one} ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(state, dict) or not {"drafter", "drafter_config", "step", "config"} <= set(state):
         raise ConfigError(f"{path} {not_one} (it holds no drafter state)")
-    drafter = DFlashDrafter(DrafterConfig.from_hf(state["drafter_config"]))
-    drafter.load_state_dict(state["drafter"])
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{path} is a checkpoint of format {state.get('format', 1)}, this ddtree reads format "
+                          f"{CHECKPOINT_FORMAT}: export its drafter with the ddtree version that wrote it and go on "
+                          "with `train fit --init-from` that drafter, or start the run again")
+    return state
+
+
+def drafter_from_checkpoint(path, target=None) -> tuple[DFlashDrafter, dict]:
+    state = read_checkpoint(path)
+    try:
+        cfg = DrafterConfig.from_hf(state["drafter_config"])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    drafter = DFlashDrafter.on_meta(cfg).fill(state["drafter"], path)  # allocates nothing a bad config asks for
     if target is not None:
         drafter = drafter.to(target.device, target.dtype).bind(target)
     return drafter, state
