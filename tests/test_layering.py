@@ -8,12 +8,12 @@ import ddtree
 PACKAGE = Path(ddtree.__file__).resolve().parent
 # lowest first: a module may import its own layer and the ones below it
 LAYERS = [
-    "config knobs cache files protocol kv_cache stats traces checker stops method_spec tree kernels",
+    "config knobs cache files protocol kv_cache stats traces checker stops method_spec tree kernel_files hub machine_load",
     "attention layers fused target hf_target hf_cache loading markov drafter wrapping",
     "cpu gpu",
     "sampling cost_cache budget engine testing gguf_export",
     "api compare hf_baseline llamacpp_baseline peers runner datasets train",
-    "benchmark cli __main__ __init__",
+    "benchmark cli serve __main__ __init__",
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names.split()}
 REFERENCE_MODEL = ("layers", "target", "drafter", "attention", "fused", "kv_cache")
