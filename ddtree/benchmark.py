@@ -37,6 +37,7 @@ import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -220,27 +221,43 @@ def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     return groups
 
 
-def load_records(out: Path) -> dict[str, dict]:
-    """All records in OUT (records.jsonl and rank shards), by key; later lines win; torn lines skipped."""
-    records = {}
+def load_runs(out: Path) -> dict[str, dict[int, dict[int, dict]]]:
+    """Every timed run in OUT (records.jsonl and rank shards): key -> attempt -> repeat -> the run's line (a later
+    line wins); torn lines are skipped. A line without a repeat index (a record written before runs were stored
+    one by one) counts as a finished attempt of its own."""
+    runs: dict[str, dict[int, dict[int, dict]]] = {}
     for path in sorted(out.glob("records*.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
-                records[rec["key"]] = rec
-            except (json.JSONDecodeError, KeyError, TypeError):
+                runs.setdefault(rec["key"], {}).setdefault(rec.get("attempt", 1), {})[rec.get("repeat", 0)] = rec
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                 continue  # a line cut short by a crash
-    return records
+    return runs
 
 
-def run_group(pair, group, args, env, sinks, progress, inject: list, peers, meter: LoadMeter,
-              attempt: int = 1) -> list[dict]:
-    """Decode one prompt with every method (runner.run_prompt: ar first, greedy outputs checked against it),
-    --repeats times round after round (so each method's repeats are interleaved with the others'), each run with
-    the machine's load while it ran; merge each method's repeats into one record and append the records (and with
-    --traces the first round's per-step traces) to the sinks."""
+def merged_record(attempts: dict[int, dict[int, dict]]) -> dict:
+    """A key's record: the runs of its latest attempt, merged (merge_repeats), with `attempt` and how many."""
+    attempt = max(attempts)
+    runs = [attempts[attempt][i] for i in sorted(attempts[attempt])]
+    if len(runs) == 1 and "repeat" not in runs[0]:
+        return runs[0]  # already a merged record
+    return dict(merge_repeats(runs), attempt=attempt)
+
+
+def load_records(out: Path) -> dict[str, dict]:
+    """The records in OUT, by key: each the merge of its latest attempt's runs."""
+    return {key: merged_record(attempts) for key, attempts in load_runs(out).items()}
+
+
+def run_group(pair, group, args, env, sinks, progress, inject: list, peers, meter: LoadMeter, attempt: int,
+              repeat: int) -> list[dict]:
+    """Decode one prompt once with every method (runner.run_prompt: ar first, greedy outputs checked against
+    its), each run with the machine's load while it ran, and append one line per run (and, for repeat 0 with
+    --traces, its per-step traces) to the sinks. The repeats of a prompt are passes over the whole plan, so a
+    slow minute of the machine meets one repeat of a prompt, not all."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
-                           trace=args.traces, stop=group["stop"])
+                           trace=args.traces and repeat == 0, stop=group["stop"])
     fields = dict(mode=group["mode"], dataset=group["dataset"], temperature=group["temperature"],
                   prompt_index=group["prompt_index"], prompt_sha=group["prompt_sha"], seed=group["seed"],
                   max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k)
@@ -256,27 +273,22 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers, mete
 
     def on_run(rec):
         rec["load"] = meter.lap()  # other processes' cores during this run (and its check)
-        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
-                                 f"{rec['method']}")
-        progress.update(1)
-
-    specs = [slot["spec"] for slot in group["slots"]]
-    meter.lap()  # the first run's lap starts here
-    rounds = [run_prompt(pair, group["prompt"], specs, settings, group["seed"], peers, tamper, on_run)
-              for _ in range(args.repeats)]
-    merged = []
-    for runs in zip(*rounds):
-        rec = merge_repeats(list(runs))
-        rec.update(key=keys[rec["method"]], **fields, attempt=attempt, env=env, finished_at=time.time())
+        rec.update(key=keys[rec["method"]], **fields, attempt=attempt, repeat=repeat, env=env,
+                   finished_at=time.time())
         if rec["check"] == "error":
             shout_error(rec)
         for i, step in enumerate(rec.pop("trace", None) or []):
             sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, **fields, **step))
                                   + "\n")
         sinks["records"].write(json.dumps(rec) + "\n")
-        merged.append(rec)
-    sinks["records"].flush()
-    return merged
+        sinks["records"].flush()
+        progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
+                                 f"{rec['method']} ({repeat + 1}/{args.repeats})")
+        progress.update(1)
+
+    meter.lap()  # the first run's lap starts here
+    return run_prompt(pair, group["prompt"], [slot["spec"] for slot in group["slots"]], settings, group["seed"],
+                      peers, tamper, on_run)
 
 
 def merge_repeats(runs: list[dict]) -> dict:
@@ -284,9 +296,10 @@ def merge_repeats(runs: list[dict]) -> dict:
     run decodes the same tokens: greedy, or sampled with the same seed; a difference is recorded), each run's
     timing and load under `repeats`, and the medians as the record's own times."""
     first = runs[0]
-    rec = {k: v for k, v in first.items() if k != "load"}
+    rec = {k: v for k, v in first.items() if k not in ("load", "repeat", "finished_at")}
     rec["repeats"] = [dict(seconds=r["seconds"], time_to_first_token=r["time_to_first_token"], load=r.get("load"))
                       for r in runs]
+    rec["finished_at"] = max(r.get("finished_at", 0.0) for r in runs)
     for name in ("seconds", "time_to_first_token"):
         rec[name] = statistics.median(r[name] for r in runs)
     rec["stage_seconds"] = {stage: statistics.median(r["stage_seconds"].get(stage, 0.0) for r in runs)
@@ -311,14 +324,14 @@ def _prompt_of(group: dict) -> tuple:
     return group["dataset"], group["temperature"], group["prompt_index"]
 
 
-def estimate_seconds(measured: list[dict], groups: list[dict], args) -> float:
+def estimate_seconds(measured: list[dict], groups: list[dict], args, repeats: int | None = None) -> float:
     """Seconds the runs of `groups` should take, from `measured` records (each with its target `mode`): per mode
     and method its prefill plus its seconds per generated token times max_new_tokens (what was not measured takes
     the slowest one's), times the repeats."""
     rates = {(r["mode"], r["method"]): (r["time_to_first_token"], (r["seconds"] - r["time_to_first_token"]) /
                                         max(1, r["new_tokens"] - 1)) for r in measured}
     slowest = max(rates.values(), key=lambda rate: rate[1], default=(0.0, 0.0))
-    return getattr(args, "repeats", 1) * sum(first + per_token * args.max_new_tokens
+    return (repeats or getattr(args, "repeats", 1)) * sum(first + per_token * args.max_new_tokens
                for g in groups for slot in g["slots"]
                for first, per_token in [rates.get((g["mode"], slot["method"]), slowest)])
 
@@ -368,18 +381,14 @@ def barrier(world: int) -> None:
         dist.barrier()
 
 
-def merge_shards(out: Path, records: dict[str, dict]) -> None:
-    """Rank 0, after the barrier: rewrite records.jsonl with every record once, append the ranks' traces to
-    traces.jsonl, then drop the rank shards."""
-    tmp = out / "records.jsonl.tmp"
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
-    os.replace(tmp, out / "records.jsonl")
-    for shard in out.glob("records.rank*.jsonl"):
-        shard.unlink()
-    for shard in sorted(out.glob("traces.rank*.jsonl")):
-        with open(out / "traces.jsonl", "a", encoding="utf-8") as f:
-            f.write(shard.read_text())
-        shard.unlink()
+def merge_shards(out: Path) -> None:
+    """Rank 0, after the barrier: append the ranks' runs to records.jsonl and their traces to traces.jsonl, then
+    drop the rank shards."""
+    for kind in ("records", "traces"):
+        for shard in sorted(out.glob(f"{kind}.rank*.jsonl")):
+            with open(out / f"{kind}.jsonl", "a", encoding="utf-8") as f:
+                f.write(shard.read_text())
+            shard.unlink()
 
 
 # --- environment and summaries ------------------------------------------------------------------------------
@@ -614,15 +623,24 @@ def main(argv=None) -> int:
 MAX_ATTEMPTS = 2  # a prompt whose runs met a busy machine is timed once more (--no-retime: never)
 
 
-def group_state(group: dict, done: dict[str, dict]) -> tuple[bool, int, bool]:
-    """(a record is missing, attempts so far, a run met a busy machine) for one prompt group. A group with a
-    failed lossless check is never "busy": timing it again must not replace the record of the failure."""
-    recs = [done.get(slot["key"]) for slot in group["slots"]]
-    have = [r for r in recs if r is not None]
-    attempts = max((r.get("attempt", 1) for r in have), default=0)
-    busy = any((t.get("load") or 0.0) > LOAD_LIMIT for r in have for t in r.get("repeats") or [r])
-    failed = any(r["check"] == "error" for r in have)
-    return len(have) < len(recs), attempts, busy and not failed
+class GroupState(NamedTuple):
+    attempt: int  # the attempt its runs belong to: the latest one, or a new one when that one is done and busy
+    repeats: list[int]  # the repeats still to run in that attempt
+    busy: bool  # a run of its latest attempt met a busy machine
+
+
+def group_state(group: dict, runs: dict, repeats: int, attempts: int) -> GroupState:
+    """What a prompt group still needs: the repeats its latest attempt lacks; or, when that attempt is complete
+    but met a busy machine (other processes above LOAD_LIMIT cores) and fewer than `attempts` were made, a new
+    attempt. A group with a failed lossless check is never timed again: that must not replace the failure."""
+    latest = max((max(runs[s["key"]]) for s in group["slots"] if s["key"] in runs), default=1)
+    mine = [runs.get(s["key"], {}).get(latest, {}) for s in group["slots"]]
+    lacking = sorted({i for i in range(repeats) for have in mine if i not in have})
+    lines = [line for have in mine for line in have.values()]
+    busy = any((t.get("load") or 0.0) > LOAD_LIMIT for line in lines for t in line.get("repeats") or [line])
+    if lacking or not busy or latest >= attempts or any(line["check"] == "error" for line in lines):
+        return GroupState(latest, lacking, busy)
+    return GroupState(latest + 1, list(range(repeats)), busy)
 
 
 def _main(args) -> int:
@@ -662,25 +680,21 @@ def _run(args, rank, world, out, specs, modes, tqdm) -> int:
     envs = {mode: environment(pair, args.threads, world) for mode, pair in pairs.items()}
     # group i of every mode (the same prompt and setting) back to back: machine drift hits the modes alike
     plan = [g for same in zip(*(build_plan(args, pair, specs, mode) for mode, pair in pairs.items())) for g in same]
-    done = load_records(out)
+    runs = load_runs(out)
     mine = plan[rank::world]  # round-robin over groups: every rank gets a mix of datasets and prompts
     attempts = 1 if args.no_retime else MAX_ATTEMPTS
-
-    def to_time(group) -> bool:  # missing, or met a busy machine and may be timed again
-        missing, tries, busy = group_state(group, done)
-        return missing or (busy and tries < attempts)
-
-    todo = [g for g in mine if to_time(g)]
+    needs = {id(g): group_state(g, runs, args.repeats, attempts) for g in mine}
+    todo = [g for g in mine if needs[id(g)].repeats]
+    count = lambda groups: sum(len(g["slots"]) * len(needs[id(g)].repeats) for g in groups)  # noqa: E731
     if rank == 0:
         print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods x {args.repeats} repeats "
               f"({', '.join(modes)}); drafter: {pairs[modes[0]].drafter.label}; {world} process(es); "
-              f"{sum(len(g['slots']) for g in todo) * args.repeats} runs to do on rank 0, {len(mine) - len(todo)} "
-              f"groups cached", file=sys.stderr)
+              f"{count(todo)} runs to do on rank 0, {len(mine) - len(todo)} groups cached", file=sys.stderr)
     errors = 0
     suffix = "" if world == 1 else f".rank{rank}"
     shard, trace_shard = out / f"records{suffix}.jsonl", out / f"traces{suffix}.jsonl"
-    progress = tqdm(total=sum(len(g["slots"]) for g in todo) * args.repeats, desc=f"rank {rank}", unit="run",
-                    position=rank, disable=args.no_progress, dynamic_ncols=True)
+    progress = tqdm(total=count(todo), desc=f"rank {rank}", unit="run", position=rank, disable=args.no_progress,
+                    dynamic_ncols=True)
     peers = {mode: Peers(pair) for mode, pair in pairs.items()}  # a peer runs each mode's idea of its weights
     meter = LoadMeter(expected=(world - 1) * args.threads)  # sibling ranks are expected load, not noise
     started = time.perf_counter()
@@ -701,38 +715,45 @@ def _run(args, rank, world, out, specs, modes, tqdm) -> int:
         first = next((i for i, g in enumerate(todo) if _prompt_of(g) != _prompt_of(todo[0])), len(todo))
         measured, t0 = [], time.perf_counter()  # the first prompt's runs, in every mode (adjacent in the plan)
         for attempt in range(attempts):
-            if attempt:  # the groups that met a busy machine, once more
-                todo = [g for g in mine if to_time(g)]
+            if attempt:  # the groups whose runs met a busy machine, once more
+                needs = {id(g): group_state(g, runs, args.repeats, attempts) for g in mine}
+                todo = [g for g in mine if needs[id(g)].repeats]
                 if not todo:
                     break
                 if rank == 0:
                     say(f"timing {len(todo)} prompt group(s) again: other processes used more than {LOAD_LIMIT} "
                         f"cores during some of their runs")
-                progress.reset(total=sum(len(g["slots"]) for g in todo) * args.repeats)
-            for i, group in enumerate(todo):
-                mode = group["mode"]
-                tries = group_state(group, done)[1]
-                recs = run_group(pairs[mode], group, args, envs[mode], sinks, progress, inject, peers[mode], meter,
-                                 attempt=tries + 1)
-                done.update((r["key"], r) for r in recs)
-                errors += sum(r["check"] == "error" for r in recs)
-                if attempt:
-                    continue
-                measured += recs if i < first else []
-                if i == first - 1 and rank == 0 and len(todo) > first:
-                    scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(measured, todo[:first], args))
-                    left = estimate_seconds(measured, todo[first:], args) * scale  # the checks and the rest
-                    say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first "
-                        f"prompt's runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are shorter)")
+                progress.reset(total=count(todo))
+            for repeat in range(args.repeats):  # a pass over the plan per repeat
+                for i, group in enumerate(todo):
+                    state = needs[id(group)]
+                    if repeat not in state.repeats:
+                        continue
+                    recs = run_group(pairs[group["mode"]], group, args, envs[group["mode"]], sinks, progress, inject,
+                                     peers[group["mode"]], meter, state.attempt, repeat)
+                    for rec in recs:
+                        runs.setdefault(rec["key"], {}).setdefault(state.attempt, {})[repeat] = rec
+                    errors += sum(r["check"] == "error" for r in recs)
+                    if attempt or repeat != state.repeats[0]:
+                        continue
+                    measured += recs if i < first else []
+                    if i == first - 1 and rank == 0 and len(todo) > first:
+                        scale = (time.perf_counter() - t0) / max(1e-9, estimate_seconds(measured, todo[:first], args,
+                                                                                         repeats=1))
+                        left = (estimate_seconds(measured, todo, args) - estimate_seconds(
+                            measured, todo[:first], args, repeats=1)) * scale  # the checks and the rest
+                        say(f"estimated total: {_minutes(time.perf_counter() - started + left)} (from the first "
+                            f"prompt's runs at up to {args.max_new_tokens} tokens each; runs that stop at EOS are "
+                            f"shorter)")
     if trace_shard.stat().st_size == 0:
         trace_shard.unlink()
     progress.close()
     barrier(world)
     if rank != 0:
         return EXIT_LOSSLESS_FAILED if errors else 0
-    records = load_records(out)
     if world > 1:
-        merge_shards(out, records)
+        merge_shards(out)
+    records = load_records(out)
     planned = [records[s["key"]] for g in plan for s in g["slots"] if s["key"] in records]
     rows = summarize(planned, specs)
     env = dict(envs[modes[0]], modes={mode: e["dtype"] for mode, e in envs.items()}, repeats=args.repeats)

@@ -189,28 +189,32 @@ def test_runs_on_a_busy_machine_are_timed_again_once_then_flagged(in_process, tm
     assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "other processes keep 1.0 cores busy" in err and "timing 1 prompt group(s) again" in err
-    lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert sorted((r["method"], r["attempt"]) for r in lines) == [("ar", 1), ("ar", 2), ("ddtree:2", 1),
-                                                                  ("ddtree:2", 2)]
-    assert all(t["load"] == 1.0 for r in lines for t in r["repeats"])
+    lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]  # one per run
+    assert sorted((r["method"], r["attempt"], r["repeat"]) for r in lines) == [
+        (method, attempt, repeat) for method in ("ar", "ddtree:2") for attempt in (1, 2) for repeat in (0, 1)]
+    assert all(r["load"] == 1.0 for r in lines)
+    assert [r["attempt"] for r in records(tmp_path)] == [2, 2]  # a record is its latest attempt's runs
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["env"]["threads"] == 1  # cores left free by the busy one
     assert [r["flagged"] for r in summary["rows"]] == ["other processes used 1.00 cores during a run (limit 0.25)"] * 2
     assert "## Flagged cells" in (tmp_path / "summary.md").read_text()
     # a re-run: attempts are used up, so nothing is timed again
     assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
-    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 8
     # --no-retime: measured once, flagged
     assert in_process.main(TINY_ONE + ["--no-retime", "--out", str(tmp_path / "once")]) == 0
     once = [json.loads(line) for line in (tmp_path / "once" / "records.jsonl").read_text().splitlines()]
-    assert [r["attempt"] for r in once] == [1, 1]
+    assert [r["attempt"] for r in once] == [1, 1, 1, 1]
 
 
 def test_a_quiet_machine_is_measured_once_and_not_flagged(in_process, tmp_path, monkeypatch):
     monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 0.0)
     assert in_process.main(TINY_ONE + ["--repeats", "3", "--out", str(tmp_path)]) == 0
     lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert [(r["attempt"], len(r["repeats"])) for r in lines] == [(1, 3), (1, 3)]
+    # the repeats are passes over the plan: ar and ddtree:2 of repeat 0, then of repeat 1, ...
+    assert [(r["method"], r["attempt"], r["repeat"]) for r in lines] == [
+        (method, 1, repeat) for repeat in range(3) for method in ("ar", "ddtree:2")]
+    assert [len(r["repeats"]) for r in records(tmp_path)] == [3, 3]
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
     # a 4-token run's time can still vary by more than the spread limit on a shared test machine: only the
     # load must not flag here
@@ -227,3 +231,16 @@ def test_one_writer_per_results_folder(in_process, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is in use by process" in err and str(os.getppid()) in err
     assert not (tmp_path / "records.jsonl").exists()
+
+
+def test_an_interrupted_run_resumes_at_the_missing_repeats(in_process, tmp_path, monkeypatch):
+    """Runs are stored one by one: a run stopped after some repeats does only the rest when started again."""
+    monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 0.0)
+    assert in_process.main(TINY_ONE + ["--repeats", "3", "--out", str(tmp_path)]) == 0
+    path = tmp_path / "records.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])  # repeat 1 of ddtree:2 torn, repeat 2 lost
+    assert in_process.main(TINY_ONE + ["--repeats", "3", "--out", str(tmp_path)]) == 0
+    again = [json.loads(line) for line in path.read_text().splitlines()[4:]]
+    assert [(r["method"], r["repeat"]) for r in again] == [("ar", 1), ("ddtree:2", 1), ("ar", 2), ("ddtree:2", 2)]
+    assert [len(r["repeats"]) for r in records(tmp_path)] == [3, 3]
