@@ -95,8 +95,8 @@ def agreement(reference: list[int], tokens: list[int]) -> float:
 
 
 # A cell (a method's row over one setting) is flagged, never hidden, when its figures may be the machine's rather
-# than the method's: ar's or its own tokens/s varied more than SPREAD_LIMIT (relative to the median) over the
-# repeats, or other processes used more than LOAD_LIMIT cores on average during one of its or ar's runs.
+# than the method's: ar's tokens/s or the cell's speedup varied more than SPREAD_LIMIT (relative to the median)
+# over the repeats, or other processes used more than LOAD_LIMIT cores on average during one of its or ar's runs.
 SPREAD_LIMIT = 0.20
 LOAD_LIMIT = 0.25
 
@@ -132,15 +132,15 @@ def _spread(values: list[float]) -> float:
     return (max(values) - min(values)) / middle if middle else 0.0
 
 
-def flag_reason(spread: float, ar_spread: float, load: float | None, repeats: int) -> str | None:
+def flag_reason(speedup_spread: float, ar_spread: float, load: float | None, repeats: int) -> str | None:
     """Why a cell's figures may not be the method's own (None when nothing says so)."""
     reasons = []
     if load is not None and load > LOAD_LIMIT:
         reasons.append(f"other processes used {load:.2f} cores during a run (limit {LOAD_LIMIT})")
     if ar_spread > SPREAD_LIMIT:
         reasons.append(f"ar's tokens/s varied {100 * ar_spread:.0f}% over {repeats} repeats")
-    if spread > SPREAD_LIMIT:
-        reasons.append(f"its tokens/s varied {100 * spread:.0f}% over {repeats} repeats")
+    if speedup_spread > SPREAD_LIMIT:
+        reasons.append(f"its speedup varied {100 * speedup_spread:.0f}% over {repeats} repeats")
     return "; ".join(reasons) or None
 
 
@@ -179,7 +179,7 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
             decode_speedup=_median(decode_speedups) if decode_speedups else None,
             decode_speedup_range=[min(decode_speedups), max(decode_speedups)] if decode_speedups else None,
             spread=spread, ar_spread=ar_spread, load=load,
-            flagged=flag_reason(spread, ar_spread, load, repeats),
+            flagged=flag_reason(_spread(speedups), ar_spread, load, repeats),
             stage_ms_per_token={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new)
                                 for st in STAGES},
             tie_flips=sum(r["check"] == "tie_flip" for r in recs),

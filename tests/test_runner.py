@@ -161,11 +161,15 @@ def test_cells_are_flagged_by_load_and_by_spread():
     # another process on one core during one of ar's runs: both cells (ar is every cell's reference)
     rows = summarize_methods([timed("ar", 0, steady, loads=[0.0, 1.0]), timed("ddtree:4", 0, steady)], specs)
     assert all("other processes used 1.00 cores" in r["flagged"] for r in rows)
-    # ar's repeats 50% apart: every cell of the setting; the method's own spread: its cell only
+    # ar's repeats 50% apart: every cell of the setting; the cell's speedup spread: its cell only
     rows = summarize_methods([timed("ar", 0, [(1.0, 0.1), (1.5, 0.1)]), timed("ddtree:4", 0, steady)], specs)
     assert all("ar's tokens/s varied 40% over 2 repeats" in r["flagged"] for r in rows)
     rows = summarize_methods([timed("ar", 0, steady), timed("ddtree:4", 0, [(1.0, 0.1), (2.0, 0.1)])], specs)
-    assert rows[0]["flagged"] is None and "its tokens/s varied 67% over 2 repeats" in rows[1]["flagged"]
+    assert rows[0]["flagged"] is None and rows[1]["flagged"] == "its speedup varied 65% over 2 repeats"
+    # the machine slower in one repeat for both: ar's spread flags the setting, the speedup itself is steady
+    rows = summarize_methods([timed("ar", 0, [(1.0, 0.1), (1.5, 0.1)]), timed("ddtree:4", 0, [(0.5, 0.1), (0.75, 0.1)])],
+                             specs)
+    assert rows[1]["speedup_range"] == pytest.approx([2.0, 2.0]) and "speedup varied" not in rows[1]["flagged"]
 
 
 def test_merge_repeats_keeps_the_first_runs_tokens_and_the_worst_check():
