@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Plots for a `python -m ddtree.benchmark` results directory (PNG + PDF into RESULTS/plots/):
+"""Plots for a `python -m ddtree.bench.benchmark` results directory (PNG + PDF into RESULTS/plots/):
 
     speedup_vs_budget  speedup over AR vs DDTree budget, one panel per dataset x target mode x temperature
                        (DFlash as a dashed horizontal reference, AR at 1)
@@ -12,7 +12,7 @@
     trace_calibration  drafter calibration: a path's draft probability vs how often it is accepted, and the
                        accepted path's draft probability by its length
 
-Speedups are the benchmark's own rows (ddtree.runner: method tokens/s / ar tokens/s on the same prompts), end to
+Speedups are the benchmark's own rows (ddtree.bench.runner: method tokens/s / ar tokens/s on the same prompts), end to
 end and decode only (dashed), medians over the timed repeats with their range as error bars; a cell the benchmark
 flagged (a busy machine, or repeats that disagree) is ringed in red and marked †.
 
@@ -32,12 +32,12 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (servers, CI)
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ddtree import traces as tr  # noqa: E402
-from ddtree.benchmark import load_records, record_mode, summarize  # noqa: E402
-from ddtree.config import ConfigError  # noqa: E402
-from ddtree.files import output_dir  # noqa: E402
-from ddtree.method_spec import REFERENCE, MethodSpec  # noqa: E402
-from ddtree.stats import STAGES  # noqa: E402
+from ddtree.engine import traces as tr  # noqa: E402
+from ddtree.bench.benchmark import load_records, record_mode, summarize  # noqa: E402
+from ddtree.base.config import ConfigError  # noqa: E402
+from ddtree.base.files import output_dir  # noqa: E402
+from ddtree.engine.method_spec import REFERENCE, MethodSpec  # noqa: E402
+from ddtree.engine.stats import STAGES  # noqa: E402
 
 STAGE_COLORS = dict(prefill="#9e9e9e", draft="#4c72b0", tree_build="#55a868", tree_compile="#8172b2",
                     verify="#dd8452", commit="#c44e52")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.benchmark`.
+# The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.bench.benchmark`.
 #
 #   bash run_benchmark.sh                 # quick default: 3 datasets x T=0,1 x 2 prompts x 64 tokens, ar + hf
 #                                         #   + dflash + ddtree at budgets 2/3/4/8 and auto, each run timed twice
@@ -11,7 +11,7 @@
 #   NPROC=4 bash run_benchmark.sh ...     # shard prompts over 4 processes (torchrun; gloo on CPU, nccl on GPU)
 #   python plot_results.py                # plots into results/plots/
 #
-# Every option of `python -m ddtree.benchmark --help` passes through (--datasets, --budgets, --out, ...).
+# Every option of `python -m ddtree.bench.benchmark --help` passes through (--datasets, --budgets, --out, ...).
 # Interrupted runs resume: finished records in the results directory are reused.
 set -euo pipefail
 
@@ -58,6 +58,6 @@ if [ -n "$(missing matplotlib)" ]; then  # for plot_results.py
 fi
 
 if [ "${NPROC:-1}" -gt 1 ]; then
-  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m ddtree.benchmark "$@"
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m ddtree.bench.benchmark "$@"
 fi
-exec "$PYTHON" -m ddtree.benchmark "$@"
+exec "$PYTHON" -m ddtree.bench.benchmark "$@"

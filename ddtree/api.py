@@ -9,21 +9,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attention import Visibility
-from .checker import Verdict, check_tokens
-from .config import ConfigError, SamplingParams
-from .cpu.qlinear import resolve_cpu_kernel
-from .cpu.runtime import attach, cpu_target
-from .gpu import runtime as gpu_runtime
-from .drafter import DFlashDrafter, untrained_drafter, warn_untrained
-from .engine import Decoder, Method, make_method
-from .hub import resolve as resolve_hub
-from .knobs import env_flag
-from .loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
+from .models.attention import Visibility
+from .engine.checker import Verdict, check_tokens
+from .base.config import ConfigError, SamplingParams
+from .runtime.cpu.qlinear import resolve_cpu_kernel
+from .runtime.cpu.runtime import attach, cpu_target
+from .runtime.gpu import runtime as gpu_runtime
+from .models.drafter import DFlashDrafter, untrained_drafter, warn_untrained
+from .engine.decoder import Decoder, Method, make_method
+from .base.hub import resolve as resolve_hub
+from .base.knobs import env_flag
+from .models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
-from .method_spec import MethodSpec
-from .stats import GenerationStats
-from .stops import Stops, check_stop, check_stop_token_ids
+from .engine.method_spec import MethodSpec
+from .engine.stats import GenerationStats
+from .engine.stops import Stops, check_stop, check_stop_token_ids
 
 
 @dataclass
@@ -75,8 +75,8 @@ class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
     def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None):
-        # on a float32 CPU both run inside the CPU runtime (ddtree/cpu/runtime.py), built once here or at load; on
-        # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/gpu/runtime.py)
+        # on a float32 CPU both run inside the CPU runtime (ddtree/runtime/cpu/runtime.py), built once here or at load; on
+        # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/runtime/gpu/runtime.py)
         target, drafter = gpu_runtime.attach(*attach(target, drafter))
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
@@ -256,25 +256,25 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
     CUDA, fp32 on CPUs; see loading.default_dtype). backend: "auto" (the own-code model
     where it covers the architecture, else the generic Hugging Face one), "own" or "hf"; stats.backend says
-    which ran. The arithmetic of a float32 CPU target (the CPU runtime, ddtree/cpu/runtime.py):
+    which ran. The arithmetic of a float32 CPU target (the CPU runtime, ddtree/runtime/cpu/runtime.py):
     quant="gguf": run the target's linear layers on its GGUF file's own Q4_1 / Q8_0 blocks (float32 activations;
-    the same model as the float one, weights read at 5-8.5 bits; see ddtree/cpu/quant_target.py). "gguf-int8":
+    the same model as the float one, weights read at 5-8.5 bits; see ddtree/runtime/cpu/quant_target.py). "gguf-int8":
     the same blocks with the activations quantized to int8 per block of 32 and integer dot products (llama.cpp's
     arithmetic: another function than the float model's, cheaper per verified row; every method is lossless
     against `ar` of the same mode).
     cpu_kernel: "auto" (the CPU's build of the C++ kernels), "avx2", "avx512", or "off" (torch's matmuls only:
     the reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it.
     gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
-    are exactly its weights (the same bits, fewer bytes; ddtree/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
+    are exactly its weights (the same bits, fewer bytes; ddtree/runtime/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
     overrides True.
     markov_head: True (or DDTREE_MARKOV_HEAD=1) uses a drafter's Markov head, if it has one: each tree node's
-    children come from that node's own conditional (ddtree/markov.py; more accepted, a costlier tree build on the
+    children come from that node's own conditional (ddtree/models/markov.py; more accepted, a costlier tree build on the
     host). False, the default, drafts from the marginals alone, exactly as the published code does."""
     kernel = resolve_cpu_kernel(cpu_kernel)  # a bad choice is refused here, before the slow load
     for name, value in (("gguf_blocks", gguf_blocks), ("markov_head", markov_head)):
         if not isinstance(value, bool):
             raise ConfigError(f"{name} must be True or False, got {value!r}")
-    given = (target, draft)  # hub ids (ddtree/hub.py) become their local snapshot folders; paths stay as they are
+    given = (target, draft)  # hub ids (ddtree/base/hub.py) become their local snapshot folders; paths stay as they are
     target, draft = resolve_hub(target, "target"), resolve_hub(draft, "draft")
     gguf = check_quant(quant, target, device, dtype, kernel)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load

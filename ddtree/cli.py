@@ -9,12 +9,12 @@ import sys
 
 from . import api
 from .api import QUANTS
-from .compare import compare as run_compare
-from .config import ConfigError, SamplingParams, add_arithmetic_args, check_int
-from .loading import resolve_device
-from .method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
+from .bench.compare import compare as run_compare
+from .base.config import ConfigError, SamplingParams, add_arithmetic_args, check_int
+from .models.loading import resolve_device
+from .engine.method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
 from .serve import main as serve_main
-from .stops import check_stop
+from .engine.stops import check_stop
 from .train.cli import main as train_main
 
 
@@ -25,7 +25,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                                    "default target)")
     p.add_argument("--markov-head", action="store_true",
                    help="use the drafter's Markov head: each tree node's children from its own conditional "
-                        "(ddtree/markov.py; DDTREE_MARKOV_HEAD=1 too)")
+                        "(ddtree/models/markov.py; DDTREE_MARKOV_HEAD=1 too)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on every CPU)")
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],

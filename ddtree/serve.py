@@ -27,9 +27,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from . import api
-from .config import ConfigError, SamplingParams
-from .loading import resolve_device
-from .method_spec import MethodSpec
+from .base.config import ConfigError, SamplingParams
+from .models.loading import resolve_device
+from .engine.method_spec import MethodSpec
 
 INSTALL_HINT = 'pip install "ddtree[serve]"'
 MAX_STOPS = 4  # as the OpenAI API

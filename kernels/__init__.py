@@ -1,10 +1,10 @@
-"""The project's kernels. ddtree finds this folder wherever it is (`ddtree/kernel_files.py`): beside the package in
+"""The project's kernels. ddtree finds this folder wherever it is (`ddtree/base/kernel_files.py`): beside the package in
 a checkout, or installed from a wheel as `ddtree/kernels/` (pyproject's package-dir mapping).
 
 - `tree_attention.py`: the Triton tree-attention kernel and its PyTorch reference (GPU; the interpreter in tests),
-  loaded with `ddtree.kernel_files.kernel_module("tree_attention")`; this file imports nothing, so it loads without
+  loaded with `ddtree.base.kernel_files.kernel_module("tree_attention")`; this file imports nothing, so it loads without
   triton.
 - `compile_check.py`: compiles the Triton kernels without a GPU (`python kernels/compile_check.py`).
 - `qlinear.cpp`, `decoder.cpp`, `int8_linear.cpp`, `tree.cpp`, `cpu_kernels.h`: the CPU kernels, compiled on first use
-  by `ddtree/cpu/qlinear.py`.
+  by `ddtree/runtime/cpu/qlinear.py`.
 """

@@ -15,7 +15,7 @@ import tempfile
 
 import triton
 
-from ddtree.kernel_files import kernel_module
+from ddtree.base.kernel_files import kernel_module
 
 _tree_attention = kernel_module("tree_attention")
 _combine_kernel, _tree_attention_kernel = _tree_attention._combine_kernel, _tree_attention._tree_attention_kernel

@@ -1,6 +1,6 @@
 // A stack of Llama/Qwen3 decoder layers run in one C++ call per forward pass, for float32 activations on x86 CPUs
-// with AVX2 + FMA. It is ddtree.layers.DecoderLayer.forward (the eager reference) with the attention of
-// ddtree.attention.attend over a KVCache, minus the ~20 small torch ops per layer that each cost more in dispatch than
+// with AVX2 + FMA. It is ddtree.models.layers.DecoderLayer.forward (the eager reference) with the attention of
+// ddtree.models.attention.attend over a KVCache, minus the ~20 small torch ops per layer that each cost more in dispatch than
 // in arithmetic at 1-64 rows (a sizeable share of a small model's step: docs/cpu-speed.md).
 //
 // Per layer, for N new rows h [N, H] at cache rows [past, past + N):
@@ -101,7 +101,7 @@ struct Linear {
                        // Q4_1_I8, Q8_0_I8: the records of int8_linear.cpp's pack_q4_1 / pack_q8_0, for n outputs
   int64_t n = 0;
   torch::Tensor bias;
-  // The same weight in GGUF blocks that dequantize to it exactly (ddtree/cpu/stack.py: a float target loaded
+  // The same weight in GGUF blocks that dequantize to it exactly (ddtree/runtime/cpu/stack.py: a float target loaded
   // from a GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
   // result has the same bits at a sixth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
   std::shared_ptr<const Linear> blocks;
@@ -599,7 +599,7 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
   return out;
 }
 
-// A snapshot of tensors' data pointers and version counters (ddtree/cpu/weights_watch.py): changed() is one C++
+// A snapshot of tensors' data pointers and version counters (ddtree/runtime/cpu/weights_watch.py): changed() is one C++
 // loop, where the same check in Python costs three map() calls over every parameter, every pass.
 struct WeightsSnapshot {
   std::vector<torch::Tensor> tensors;  // the same TensorImpls as the Python parameters: `p.data = x` is seen too

@@ -1,5 +1,5 @@
 // Linear layers with INTEGER activations, the arithmetic of llama.cpp's CPU matmuls: y [M, N] float32 = x [M, K]
-// float32 @ W^T, W [N, K] in Q4_1 or Q8_0 blocks (a QWeight, ddtree/cpu/qlinear.py) repacked once by pack_q4_1 /
+// float32 @ W^T, W [N, K] in Q4_1 or Q8_0 blocks (a QWeight, ddtree/runtime/cpu/qlinear.py) repacked once by pack_q4_1 /
 // pack_q8_0 into this kernel's layout (below), K % 32 == 0 (Q4_1: K % 64 == 0, from its spans).
 //
 // 1. Each x row is quantized per block of 32 (llama.cpp's Q8_0 / Q8_1 activations, its AVX2 rounding):
@@ -12,7 +12,7 @@
 //      Q4_1: term = (dw * dx) * isum + mw * sx          (w = dw * q + mw, q in 0..15)
 //    and y[r, n] = ((0 + term_0) + term_1) + ... over the blocks in order: ONE chain per output, whatever M, the
 //    rows sharing a pass or the thread split, so a row's result never depends on the other rows
-//    (ddtree/cpu/int8.py's int8_linear_reference is this arithmetic in plain torch).
+//    (ddtree/runtime/cpu/int8.py's int8_linear_reference is this arithmetic in plain torch).
 //
 // The layout: outputs in groups of G = 16, and per (group, block of 32) one record, groups and blocks in order
 // ([N / 16, K / 32, record bytes]; outputs past N are zero weights, computed and never stored):
@@ -385,7 +385,7 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
   return run<Q8_0>(x, packed, n);
 }
 
-// Q4_1 spans [N, K / 64 * 10] (ddtree/cpu/qlinear.py: per 64 weights 8 uint32 lanes, nibble g of lane l = weight
+// Q4_1 spans [N, K / 64 * 10] (ddtree/runtime/cpu/qlinear.py: per 64 weights 8 uint32 lanes, nibble g of lane l = weight
 // 8g + l, then fp16 d0 m0 d1 m1) -> records [N / 16, K / 32, 320]
 torch::Tensor pack_q4_1(torch::Tensor spans) {
   TORCH_CHECK(spans.dim() == 2 && spans.scalar_type() == torch::kInt32 && spans.is_contiguous() &&
@@ -468,7 +468,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 
 // The entry points as Python functions named `prefix` + name: in the CPU extension (kernels/qlinear.cpp, prefix
 // "int8_"), where the decoder stack also calls them (kernels/decoder.cpp); or in a module of this file alone
-// (DDTREE_INT8_MODULE: ddtree/cpu/int8.py's builds for other instruction sets, prefix "").
+// (DDTREE_INT8_MODULE: ddtree/runtime/cpu/int8.py's builds for other instruction sets, prefix "").
 void bind(pybind11::module& mod, const std::string& prefix) {
   mod.def((prefix + "q4_1_linear").c_str(), &q4_1_linear,
           "x [M, K] @ W^T with int8 activations, W a packed Q4_1 weight (pack_q4_1) of n outputs");

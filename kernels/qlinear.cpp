@@ -1,5 +1,5 @@
 // Weight-only quantized linear layers for x86 CPUs with AVX2 + FMA (and a build with AVX-512VL's registers): y [M, N] = x [M, K] @ W^T, x and y float32,
-// W [N, K] quantized in GGUF's blocks of 32 weights along K and dequantized in registers (see ddtree/cpu/qlinear.py).
+// W [N, K] quantized in GGUF's blocks of 32 weights along K and dequantized in registers (see ddtree/runtime/cpu/qlinear.py).
 //
 //   Q4_1: w = d * q + m, q in 0..15, repacked at load so that no shuffles are needed: per 64 weights a 40-byte
 //         span of 8 uint32 lanes, nibble g (bits 4g..4g+3) of lane l holding weight 8g + l (so (lanes >> 4g) & 15

@@ -1,8 +1,8 @@
 // A DDTree step's host work in C++: the best-first tree over a draft's log-probs, its tokens in the target's
-// vocabulary, the verify pass's visibility and positions, and the greedy walk. Each is ddtree/tree.py's Python function of the same
+// vocabulary, the verify pass's visibility and positions, and the greedy walk. Each is ddtree/engine/tree.py's Python function of the same
 // name, with the same results (tests/test_tree.py holds them equal); here they are a call each instead of dozens of
 // Python and torch calls, which cost most after a model pass has pushed the interpreter out of the caches. With a
-// Markov head, the tree and the chain from each node's own conditional (markov_tree, markov_chain: ddtree/markov.py's
+// Markov head, the tree and the chain from each node's own conditional (markov_tree, markov_chain: ddtree/models/markov.py's
 // conditional_table + conditional_best_first / conditional_chain; tests/test_markov.py holds them equal).
 //
 // The heap orders nodes exactly as Python's heapq orders tree.best_first_nodes' tuples (-score, parent, depth
@@ -146,7 +146,7 @@ torch::Tensor tree_tokens(int64_t root, torch::Tensor ids, c10::optional<torch::
   return out;
 }
 
-// --- Trees from a Markov head's conditionals (ddtree/markov.py: conditional_table, conditional_best_first,
+// --- Trees from a Markov head's conditionals (ddtree/models/markov.py: conditional_table, conditional_best_first,
 // conditional_chain; the same arithmetic, in double, with the same pop order) ------------------------------------
 
 namespace {

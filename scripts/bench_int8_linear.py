@@ -1,4 +1,4 @@
-"""Time the int8-activation kernel (ddtree.cpu.int8) against the float-activation one (ddtree.cpu.qlinear) on
+"""Time the int8-activation kernel (ddtree.runtime.cpu.int8) against the float-activation one (ddtree.runtime.cpu.qlinear) on
 SmolLM2-135M's layer set, all Q4_1: per layer qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536];
 a "stack" is 30 such layers (~66 MB of weights, more than a typical L3, so a pass streams them from DRAM).
 
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from ddtree.cpu import qlinear
-from ddtree.cpu import int8
-from ddtree.cpu.qlinear import SPAN_WORDS, QWeight
+from ddtree.runtime.cpu import qlinear
+from ddtree.runtime.cpu import int8
+from ddtree.runtime.cpu.qlinear import SPAN_WORDS, QWeight
 
 HIDDEN, INTER, LAYERS = 576, 1536, 30
 SHAPES = {"qkv": (576 + 192 + 192, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN),
@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,2,3,5,9,17")
     ap.add_argument("--int8-isas", default="", help="other builds of the int8 kernel to time beside it, comma "
-                    "separated (ddtree.cpu.int8.ISA_FLAGS: avx2, avxvnni, avx512vnni; the CPU must have them)")
+                    "separated (ddtree.runtime.cpu.int8.ISA_FLAGS: avx2, avxvnni, avx512vnni; the CPU must have them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]

@@ -11,7 +11,7 @@ Contenders, all producing out [Hq, N, D]:
                  capacity - N (what a captured CUDA graph in the engine runs; it reads only past+N rows)
   triton_1split  the int-past kernel forced to one split (shows what flash decoding buys)
   sdpa_dense     F.scaled_dot_product_attention with the dense bool mask [G*N, past+N] the SDPA backend of
-                 ddtree.attention builds (mask built once outside the timing, as it is shared by all layers)
+                 ddtree.models.attention builds (mask built once outside the timing, as it is shared by all layers)
   sdpa_split     unmasked flash attention over the past + a small masked SDPA over the tree, merged by
                  log-sum-exp. Public SDPA returns no LSE, so this uses the private ATen ops that do:
                  _scaled_dot_product_flash_attention (past) and _scaled_dot_product_efficient_attention with
@@ -48,9 +48,9 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ddtree.kernel_files import kernel_module
+from ddtree.base.kernel_files import kernel_module
 
-ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/kernel_files.py)
+ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/base/kernel_files.py)
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 GROUP = HQ // HKV

@@ -53,8 +53,8 @@ def _head_candidates(d2t: torch.Tensor | None, reference: Path | None, target_di
         ref = load_file(reference / "model.safetensors")
         if HEAD in ref and d2t is not None and "d2t" in ref and torch.equal(ref["d2t"], d2t):
             yield "the reference drafter's", ref[HEAD]
-    from ddtree.cpu.qlinear import round_po2_q8
-    from ddtree.loading import load_target, resolve_target_dir
+    from ddtree.runtime.cpu.qlinear import round_po2_q8
+    from ddtree.models.loading import load_target, resolve_target_dir
 
     target = load_target(resolve_target_dir(target_dir), torch.float32, "cpu")
     rows = target.lm_head.weight.detach()

@@ -43,7 +43,7 @@ PY=python3; command -v python3 >/dev/null || PY=python
 TGT=(--target "$G"); [ -z "$G" ] && TGT=()
 train() { $PY -m ddtree train "$@"; }
 say "setup done; converting the target once (every process then reads the cache)"
-$PY -c "import sys; from ddtree.loading import resolve_target_dir; print(resolve_target_dir(sys.argv[1] or None))" "$G" \
+$PY -c "import sys; from ddtree.models.loading import resolve_target_dir; print(resolve_target_dir(sys.argv[1] or None))" "$G" \
     >>"$R/logs/driver.txt" 2>&1 || exit 1
 SHIPPED=ddtree/assets/smollm2-135m-dflash
 

@@ -1,5 +1,5 @@
 """End-to-end decoding on a GPU, eager (the reference models, launch by launch) against the CUDA-graph runtime
-(ddtree/gpu/runtime.py), side by side in one run: tokens/s, tau, speedup over `ar` of the same mode, and every
+(ddtree/runtime/gpu/runtime.py), side by side in one run: tokens/s, tau, speedup over `ar` of the same mode, and every
 method's tokens checked against `ar`'s (greedy).
 
     python scripts/gpu_e2e.py embedded                 # SmolLM2-135M + the shipped drafter, dataset prompts
@@ -30,11 +30,11 @@ SMOKE = os.environ.get("SMOKE") == "1"
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel in its CPU interpreter: set before the import
 
-from ddtree.attention import Visibility  # noqa: E402
-from ddtree.checker import check_tokens  # noqa: E402
-from ddtree.config import ModelConfig, SamplingParams  # noqa: E402
-from ddtree.engine import Decoder, make_method  # noqa: E402
-from ddtree.gpu import runtime as gpu  # noqa: E402
+from ddtree.models.attention import Visibility  # noqa: E402
+from ddtree.engine.checker import check_tokens  # noqa: E402
+from ddtree.base.config import ModelConfig, SamplingParams  # noqa: E402
+from ddtree.engine.decoder import Decoder, make_method  # noqa: E402
+from ddtree.runtime.gpu import runtime as gpu  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
 
@@ -55,9 +55,9 @@ def copy_bandwidth() -> float:
 
 def qwen3_8b_pair():
     """(target, drafter) references with the 8B shapes (tiny with SMOKE) and a deterministic greedy continuation."""
-    from ddtree.drafter import untrained_drafter
-    from ddtree.target import TargetModel
-    from ddtree.testing import QWEN3_8B, TINY
+    from ddtree.models.drafter import untrained_drafter
+    from ddtree.models.target import TargetModel
+    from ddtree.bench.testing import QWEN3_8B, TINY
 
     shape = {**TINY, "arch": "qwen3"} if SMOKE else QWEN3_8B
     cfg = ModelConfig(**shape, tie_word_embeddings=False)
@@ -141,7 +141,7 @@ def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: 
 
 def verdict(target, prompt: list[int], reference: list[int], tokens: list[int]) -> str:
     """The checker's greedy verdict (identical / tie_flip / error) of tokens against ar's, with the eager target's
-    own logits (see ddtree/checker.py)."""
+    own logits (see ddtree/engine/checker.py)."""
     def logits_after(generated, every=False):
         ids = torch.tensor(prompt + generated, device=DEV)
         cache = target.new_cache(len(ids))
@@ -165,12 +165,14 @@ def main():
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
                     help="embedded: built-in sets or JSONL files")
     args = ap.parse_args()
+    if SMOKE:  # the tiny shapes' context is 512 positions: a prompt, the answer and a tree must fit
+        args.context, args.max_new_tokens = min(args.context, 128), min(args.max_new_tokens, 32)
     t0 = time.time()
     report = dict(which=args.which, device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu",
                   torch=torch.__version__, args=vars(args))
     if args.which == "embedded":
         import ddtree
-        from ddtree.datasets import load_prompts
+        from ddtree.bench.datasets import load_prompts
 
         pair = ddtree.load(device=DEV)
         ref_t, ref_d = getattr(pair.target, "reference", pair.target), getattr(pair.drafter, "reference", pair.drafter)

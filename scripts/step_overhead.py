@@ -16,9 +16,9 @@ from collections import defaultdict
 import torch
 
 import ddtree
-from ddtree.cost_cache import machine_name
-from ddtree.cpu.runtime import CPUDrafter, CPUTarget
-from ddtree.datasets import load_prompt_items
+from ddtree.engine.cost_cache import machine_name
+from ddtree.runtime.cpu.runtime import CPUDrafter, CPUTarget
+from ddtree.bench.datasets import load_prompt_items
 
 
 class PassClock:

@@ -12,12 +12,12 @@ if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it must be chosen before triton is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ddtree import cost_cache
-from ddtree.cpu import qlinear
-from ddtree.config import SamplingParams
-from ddtree.drafter import untrained_drafter
-from ddtree.engine import Decoder, make_method
-from ddtree.testing import random_pair, random_target
+from ddtree.engine import cost_cache
+from ddtree.runtime.cpu import qlinear
+from ddtree.base.config import SamplingParams
+from ddtree.models.drafter import untrained_drafter
+from ddtree.engine.decoder import Decoder, make_method
+from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.data import GenerationSettings, generate_data
 from ddtree.train.prompts import Prompt
 from ddtree.train.trainer import TrainConfig

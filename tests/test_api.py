@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ddtree.api import Pair
-from ddtree.compare import compare
-from ddtree.config import ConfigError
-from ddtree.testing import char_tokenizer, random_pair
+from ddtree.bench.compare import compare
+from ddtree.base.config import ConfigError
+from ddtree.bench.testing import char_tokenizer, random_pair
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 from conftest import plant_oracle, run  # noqa: E402
-from ddtree.config import ConfigError  # noqa: E402
-from ddtree.attention import Visibility, attend, resolve_backend  # noqa: E402
-from ddtree.testing import random_pair  # noqa: E402
+from ddtree.base.config import ConfigError  # noqa: E402
+from ddtree.models.attention import Visibility, attend, resolve_backend  # noqa: E402
+from ddtree.bench.testing import random_pair  # noqa: E402
 
 triton = pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -49,7 +49,7 @@ def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
 
     from safetensors.torch import save_file
 
-    from ddtree.loading import load_target
+    from ddtree.models.loading import load_target
 
     target, _ = random_pair("llama", seed=2)
     (tmp_path / "config.json").write_text(json.dumps(target.cfg.to_hf()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ddtree.api import Pair
-from ddtree.testing import random_target
+from ddtree.bench.testing import random_target
 from ddtree.train.batched import BatchedDecoder, Job
 
 STOPS = (1, 2, 3, 4, 5)  # several stop tokens: most rows end early, so follow-up turns happen

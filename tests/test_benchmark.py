@@ -24,7 +24,7 @@ def run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 def records(out: Path) -> list[dict]:
     """The folder's records, one per key (a prompt timed again on a busy machine has a later line per method)."""
-    from ddtree.benchmark import load_records
+    from ddtree.bench.benchmark import load_records
 
     return list(load_records(out).values())
 
@@ -72,7 +72,7 @@ def test_tiny_benchmark_records(tiny_results):
 
 def test_rerun_reuses_cached_records(tiny_results):
     before = (tiny_results / "records.jsonl").read_text()
-    proc = run(sys.executable, "-m", "ddtree.benchmark", "--tiny", "--threads", "1", "--no-progress",
+    proc = run(sys.executable, "-m", "ddtree.bench.benchmark", "--tiny", "--threads", "1", "--no-progress",
                "--out", str(tiny_results))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "6 groups cached" in proc.stderr
@@ -95,7 +95,7 @@ def test_injected_mismatch_fails(tmp_path):
     assert "LOSSLESS CHECK FAILED" in proc.stderr and "ddtree:16" in proc.stderr
     bad = [r for r in records(tmp_path) if r["check"] == "error"]
     assert len(bad) == 1 and bad[0]["method"] == "ddtree:16" and "injected_mismatch_at" in bad[0]
-    from ddtree.benchmark import COLUMNS
+    from ddtree.bench.benchmark import COLUMNS
 
     row = next(line for line in (tmp_path / "summary.md").read_text().splitlines()
                if line.startswith("| float | gsm | 0 | ddtree:16 |"))
@@ -153,7 +153,7 @@ def test_two_target_modes(tmp_path):
 
 def test_target_modes_auto():
     """auto: the float target, plus integer activations where they run (a CPU, a GGUF target, the CPU kernels)."""
-    from ddtree.benchmark import parse_args, target_modes
+    from ddtree.bench.benchmark import parse_args, target_modes
 
     assert parse_args([]).quant == "auto" and parse_args(["--tiny"]).quant == "float"
     cpu = parse_args(["--device", "cpu"])
@@ -169,7 +169,7 @@ def in_process(monkeypatch):
     back afterwards."""
     import torch
 
-    from ddtree import benchmark
+    from ddtree.bench import benchmark
 
     threads = torch.get_num_threads()
     monkeypatch.setattr(benchmark, "busy_cores", lambda seconds=0.5: 0.0)

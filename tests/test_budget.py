@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
-from ddtree.engine import AUTO_MAX_BUDGET, Decoder, make_method
-from ddtree.tree import best_first_nodes, best_first_tree
+from ddtree.engine.budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
+from ddtree.engine.decoder import AUTO_MAX_BUDGET, Decoder, make_method
+from ddtree.engine.tree import best_first_nodes, best_first_tree
 
 
 def test_cost_model_interpolates_and_extrapolates():

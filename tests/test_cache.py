@@ -1,4 +1,4 @@
-"""The cache layer (ddtree/cache.py): where the cache is, staging entries of stopped processes swept, sealed
+"""The cache layer (ddtree/base/cache.py): where the cache is, staging entries of stopped processes swept, sealed
 entries verified, write failures that name the problem and the fix, build locks."""
 import errno
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree import cache
-from ddtree.config import ConfigError
+from ddtree.base import cache
+from ddtree.base.config import ConfigError
 
 
 def dead_pid() -> int:

@@ -1,8 +1,8 @@
-"""The losslessness checker (ddtree/checker.py): tie flips against errors, and checking after a tie flip."""
+"""The losslessness checker (ddtree/engine/checker.py): tie flips against errors, and checking after a tie flip."""
 import pytest
 import torch
 
-from ddtree.checker import check_tokens
+from ddtree.engine.checker import check_tokens
 
 
 def test_checker_classifies_tie_flips_and_errors():

@@ -13,7 +13,7 @@ import torch
 
 import ddtree
 from ddtree.cli import _unescape, main
-from ddtree.testing import char_tokenizer, random_pair, save_target
+from ddtree.bench.testing import char_tokenizer, random_pair, save_target
 
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a: {% endif %}")
@@ -136,7 +136,8 @@ def _plots_main(argv):
 
 
 def _entry(name):
-    from ddtree import benchmark, cli
+    from ddtree.bench import benchmark
+    from ddtree import cli
     from ddtree.train import cli as train_cli
 
     return {"ddtree": cli.main, "train": train_cli.main, "benchmark": benchmark.main, "plots": _plots_main}[name]
@@ -218,7 +219,7 @@ def test_a_long_chat_drops_its_oldest_turns_and_keeps_going(pair, monkeypatch, c
     the system message stays, every prompt leaves room for the answer, a notice says what was dropped; a message
     that alone does not fit is refused and the conversation goes on; every line of input is answered."""
     from ddtree.cli import chat_loop
-    from ddtree.method_spec import MethodSpec
+    from ddtree.engine.method_spec import MethodSpec
 
     context = pair.target.cfg.max_position_embeddings
     sent = []
@@ -276,8 +277,8 @@ def test_stream_result_before_the_loop_ends_says_so():
     """stream.result is the result once the stream is consumed; before that a ConfigError says what to do (None
     before, and an AttributeError on .stats)."""
     from ddtree.api import Pair
-    from ddtree.config import ConfigError
-    from ddtree.testing import random_pair
+    from ddtree.base.config import ConfigError
+    from ddtree.bench.testing import random_pair
 
     target, drafter = random_pair("llama", seed=11)
     pair = Pair(target, drafter, char_tokenizer())
@@ -291,8 +292,8 @@ def test_stream_result_before_the_loop_ends_says_so():
 @pytest.mark.parametrize("value", ["yes", "no", 1, None])
 def test_trace_must_be_a_bool(value):
     from ddtree.api import Pair
-    from ddtree.config import ConfigError
-    from ddtree.testing import random_pair
+    from ddtree.base.config import ConfigError
+    from ddtree.bench.testing import random_pair
 
     pair = Pair(*random_pair("llama", seed=11), None)
     with pytest.raises(ConfigError, match=f"trace must be True or False, got {value!r}"):
@@ -303,7 +304,7 @@ def test_trace_must_be_a_bool(value):
 def test_markov_head_on_a_drafter_without_one_is_refused(model_dir, capsys):
     """markov_head=True (--markov-head) with a drafter that has no head: a ConfigError naming the fix, not a silent
     run without it."""
-    from ddtree.config import ConfigError
+    from ddtree.base.config import ConfigError
 
     with pytest.warns(UserWarning, match="no trained drafter"), \
             pytest.raises(ConfigError, match=r"markov_head=True, and the drafter \(untrained\) has no Markov head"):

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from ddtree import cost_cache
+from ddtree.engine import cost_cache
 from ddtree.api import Pair
-from ddtree.budget import CostModel
-from ddtree.cache import digest_json
-from ddtree.testing import random_pair
+from ddtree.engine.budget import CostModel
+from ddtree.base.cache import digest_json
+from ddtree.bench.testing import random_pair
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_another_configuration_measures_again(folder, counted, monkeypatch):
 def test_weights_do_not_matter_their_storage_does(folder, counted):
     """Other values of the same shapes share a curve; a drafter whose CPU passes stream 8-bit blocks or bf16 copies
     (cpu_stack.compact_copy: fewer bytes, cheaper drafts) gets one of its own."""
-    from ddtree.cpu.qlinear import round_po2_q8
+    from ddtree.runtime.cpu.qlinear import round_po2_q8
 
     a, da = random_pair("llama", seed=5, block_size=8)
     b, db = random_pair("llama", seed=6, block_size=8)
@@ -104,7 +104,7 @@ def test_auto_uses_the_cache(folder, counted):
 
 
 def test_the_cpu_layers_have_their_own_curve():
-    """The C++ decoder layers (ddtree/cpu/stack.py) change what a verify costs, and not by one factor: a target
+    """The C++ decoder layers (ddtree/runtime/cpu/stack.py) change what a verify costs, and not by one factor: a target
     with them and one without (eager layers) keep separate curves."""
     target, drafter = random_pair("llama", seed=5, block_size=8)
     assert target.stack is not None

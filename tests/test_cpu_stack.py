@@ -1,4 +1,4 @@
-"""The target's layers as one C++ call (ddtree/cpu/stack.py, kernels/decoder.cpp) in the CPU runtime (ddtree/cpu/runtime.py) against the eager layers
+"""The target's layers as one C++ call (ddtree/runtime/cpu/stack.py, kernels/decoder.cpp) in the CPU runtime (ddtree/runtime/cpu/runtime.py) against the eager layers
 (the reference): the same pass within float32 rounding, the same tokens for every method, rows that do not
 depend on the width of the pass, and the cases it must leave to the eager path."""
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from conftest import assert_same_tokens
-from ddtree.cpu import stack as cpu_stack
-from ddtree.cpu import weights_watch
-from ddtree.cpu.runtime import CPUTarget, attach, reference_arithmetic
-from ddtree.attention import Visibility
-from ddtree.drafter import untrained_drafter
-from ddtree.testing import random_pair, random_target
+from ddtree.runtime.cpu import stack as cpu_stack
+from ddtree.runtime.cpu import weights_watch
+from ddtree.runtime.cpu.runtime import CPUTarget, attach, reference_arithmetic
+from ddtree.models.attention import Visibility
+from ddtree.models.drafter import untrained_drafter
+from ddtree.bench.testing import random_pair, random_target
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k norms
 
@@ -257,9 +257,9 @@ def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
 
 
 def test_rms_norm_kernel_matches_the_eager_norm():
-    """The C++ final norm (target and drafter passes through the stack) against ddtree.layers.RMSNorm."""
-    from ddtree.cpu import qlinear
-    from ddtree.layers import RMSNorm
+    """The C++ final norm (target and drafter passes through the stack) against ddtree.models.layers.RMSNorm."""
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.models.layers import RMSNorm
 
     if not qlinear.cpu_kernel_available():
         pytest.skip("no CPU kernel on this machine")
@@ -314,7 +314,7 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
 def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypatch):
     """A drafter rounded to power-of-two-scaled 8-bit blocks (`train quantize`) gets Q8_0 copies in its stack (layers
     and context pass) and head: their draft logits equal those of bf16 copies of the same values bit for bit."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     target = random_target("llama", seed=4, init_scale=0.25)
     _, drafter = attach(target, untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3)))
@@ -410,7 +410,7 @@ def test_weights_watch_sees_writes_repointing_and_replacement(native, monkeypatc
     """WeightsWatch decides when the stacks' copies are re-made: it must see an in-place write, `p.data = x`, and a
     parameter replaced by attribute assignment, and nothing else (a false alarm only costs a rebuild; a miss would
     decode with stale copies). Its C++ snapshot and the Python fallback answer alike."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     if native and not qlinear.cpu_kernel_available():
         pytest.skip("no CPU kernel on this machine")
@@ -445,7 +445,7 @@ def test_writes_torch_does_not_count_are_refused_until_refresh(how):
     decode from kept the old weights (a different model, with every method agreeing with it). generate() refuses
     to decode then, naming pair.refresh(); after it, the tokens are those of the same edit made by a torch op."""
     from ddtree.api import Pair
-    from ddtree.config import ConfigError
+    from ddtree.base.config import ConfigError
 
     def edit(pair, way):
         weights = [pair.target.model.layers[0].mlp.down_proj.weight, pair.drafter.layers[0].mlp.gate_proj.weight]

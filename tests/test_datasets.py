@@ -1,7 +1,7 @@
-"""Benchmark prompt files and dataset names (ddtree/datasets.py)."""
+"""Benchmark prompt files and dataset names (ddtree/bench/datasets.py)."""
 import pytest
 
-from ddtree.config import ConfigError
+from ddtree.base.config import ConfigError
 
 
 @pytest.mark.parametrize("line,message", [
@@ -13,7 +13,7 @@ from ddtree.config import ConfigError
     ('{"prompt": "x",}', r"p.jsonl:3: not valid JSON \(Expecting property name"),
 ])
 def test_bad_benchmark_prompt_file(tmp_path, line, message):
-    from ddtree.datasets import load_prompts
+    from ddtree.bench.datasets import load_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n\n' + line + '\n{"turns": ["also fine", "second turn"]}\n')
@@ -23,7 +23,7 @@ def test_bad_benchmark_prompt_file(tmp_path, line, message):
 
 def test_a_dataset_path_that_does_not_exist(tmp_path):
     """Reported as a missing file, not as an unknown dataset name."""
-    from ddtree.datasets import load_prompts
+    from ddtree.bench.datasets import load_prompts
 
     with pytest.raises(ConfigError, match="dataset file .*nope.jsonl' does not exist"):
         load_prompts(str(tmp_path / "nope.jsonl"), 1)
@@ -32,7 +32,7 @@ def test_a_dataset_path_that_does_not_exist(tmp_path):
 
 
 def test_good_benchmark_prompt_file(tmp_path):
-    from ddtree.datasets import load_prompts
+    from ddtree.bench.datasets import load_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text('"plain"\n{"prompt": "a"}\n{"turns": ["b", "c"]}\n{"question": "d"}\n')

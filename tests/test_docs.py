@@ -87,7 +87,7 @@ def missing_paths(doc: Path, text: str | None = None, names: set[str] | None = N
 def test_the_path_heuristic_catches_a_made_up_path_and_skips_what_is_not_a_path():
     doc = ROOT / "README.md"
     text = ("`ddtree/made_up_module.py` `docs/no-such-page.md` `no_such_file.py` "
-            "`ddtree/engine.py` `docs/` `data/smollm2-v2` `cpu-speed.md` `model.py` `vllm/models/x.py`\n"
+            "`ddtree/engine/decoder.py` `docs/` `data/smollm2-v2` `cpu-speed.md` `model.py` `vllm/models/x.py`\n"
             "`python -m ddtree generate` `https://x.org/a.md` `results/summary.md` `~/.cache/ddtree` `<name>/x.py` "
             "`kernels/ddtree_qlinear*-<key>/` `verify-costs/` `runs/A/drafter` `K/V` `ddtree:16` `--dtype` "
             "`load(quant=\"gguf\")` `DDTREE_CACHE=/tmp/x.py` `summary.md`\n"
@@ -184,8 +184,8 @@ def test_the_readme_options_exist_with_the_choices_it_states():
 
 def test_the_dtype_and_budget_defaults_are_the_readmes():
     """README: `dtype=None` picks bfloat16 on CUDA and float32 on every CPU; budget=None: auto on a CPU, 64 on a GPU."""
-    from ddtree.loading import default_dtype
-    from ddtree.method_spec import default_budget
+    from ddtree.models.loading import default_dtype
+    from ddtree.engine.method_spec import default_budget
 
     text = " ".join((ROOT / "README.md").read_text().split())
     assert "float32 on every CPU" in text and "bfloat16 on CUDA" in text

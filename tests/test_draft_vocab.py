@@ -7,10 +7,10 @@ import torch
 from safetensors import safe_open
 
 from conftest import plant_oracle
-from ddtree.config import SamplingParams
-from ddtree.drafter import DFlashDrafter, untrained_drafter
-from ddtree.engine import Decoder, make_method
-from ddtree.testing import random_pair, random_target
+from ddtree.base.config import SamplingParams
+from ddtree.models.drafter import DFlashDrafter, untrained_drafter
+from ddtree.engine.decoder import Decoder, make_method
+from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.fused_ce import head_soft_cross_entropy
 from ddtree.train.model import DraftLoss, sample_anchors, target_features
 from ddtree.train.vocab import coverage, draft_vocabulary, with_draft_vocab
@@ -54,7 +54,7 @@ def test_reduced_head_equals_the_full_heads_columns():
 def test_another_draft_vocabulary_drops_a_markov_head():
     """A Markov head reads its draft vocabulary's ids: with_draft_vocab leaves it out (fit --draft-vocab on a drafter
     with one), and the rest of the drafter carries over."""
-    from ddtree.testing import add_markov_head
+    from ddtree.bench.testing import add_markov_head
 
     target, full = random_pair("llama", seed=5, num_draft_layers=2, block_size=8, init_scale=0.25)
     reduced = with_draft_vocab(add_markov_head(full, rank=4), VOCAB_IDS, target.lm_head.weight)

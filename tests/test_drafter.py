@@ -6,11 +6,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ddtree.config import ConfigError
-from ddtree.cpu.runtime import attach
-from ddtree.drafter import DFlashDrafter, default_tap_layers
-from ddtree.layers import apply_rope
-from ddtree.testing import random_pair, random_target
+from ddtree.base.config import ConfigError
+from ddtree.runtime.cpu.runtime import attach
+from ddtree.models.drafter import DFlashDrafter, default_tap_layers
+from ddtree.models.layers import apply_rope
+from ddtree.bench.testing import random_pair, random_target
 
 PUBLISHED_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{name}" for i in range(2) for name in (
@@ -68,7 +68,7 @@ def test_cached_context_matches_one_shot_reference():
 def test_context_waits_for_the_next_draft():
     """add_context only queues the features on the drafter's own cache (steps that do not draft cost nothing);
     the next draft computes them all, as a cache that computes each piece at once would have."""
-    from ddtree.kv_cache import KVCache
+    from ddtree.models.kv_cache import KVCache
 
     target, drafter = random_pair("llama", seed=7, num_draft_layers=2, block_size=6)
     features = torch.randn(9, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import run
-from ddtree.config import ConfigError
-from ddtree.drafter import DFlashDrafter, DrafterConfig
-from ddtree.testing import random_pair
+from ddtree.base.config import ConfigError
+from ddtree.models.drafter import DFlashDrafter, DrafterConfig
+from ddtree.bench.testing import random_pair
 from test_drafter import reference_block_logits
 
 START, BLOCK = 14, 6

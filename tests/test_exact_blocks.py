@@ -1,5 +1,5 @@
 """A float target that reads its narrow passes from the GGUF blocks its weights came from
-(ddtree/cpu/exact_blocks.py): the same bits as the float weights, so the same model and the same tokens."""
+(ddtree/runtime/cpu/exact_blocks.py): the same bits as the float weights, so the same model and the same tokens."""
 import json
 import random
 
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from conftest import run
-from ddtree import cache
-from ddtree.cpu import exact_blocks
-from ddtree.attention import Visibility
-from ddtree.cache import CACHE_MANIFEST
-from ddtree.drafter import untrained_drafter
-from ddtree.gguf_export import write_gguf
-from ddtree.cpu.qlinear import QWeight, head_max_rows, kernel, layer_max_rows
-from ddtree.cpu.runtime import CPUTarget, cpu_target
+from ddtree.base import cache
+from ddtree.runtime.cpu import exact_blocks
+from ddtree.models.attention import Visibility
+from ddtree.base.cache import CACHE_MANIFEST
+from ddtree.models.drafter import untrained_drafter
+from ddtree.models.gguf_export import write_gguf
+from ddtree.runtime.cpu.qlinear import QWeight, head_max_rows, kernel, layer_max_rows
+from ddtree.runtime.cpu.runtime import CPUTarget, cpu_target
 from test_gguf_export import template
 from test_quant_target import quantizable_target
 
@@ -94,7 +94,7 @@ def test_methods_with_exact_blocks_decode_as_float_ar(arch, tmp_path):
 
 
 def test_exact_blocks_get_their_own_verify_cost_curve(tmp_path):
-    from ddtree.cost_cache import cost_key
+    from ddtree.engine.cost_cache import cost_key
 
     blocked, plain = with_blocks("llama", tmp_path), quantizable_target("llama")
     drafter = untrained_drafter(plain, 1, 8)
@@ -232,7 +232,7 @@ def test_a_target_without_the_cpu_stack_gets_no_blocks(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
 
-    class GenericTarget:  # as ddtree.hf_target.HFTarget presents itself (protocol.Target)
+    class GenericTarget:  # as ddtree.models.hf_target.HFTarget presents itself (protocol.Target)
         dtype, backend, quant = torch.float32, "hf:sdpa", None
 
     generic = GenericTarget()

@@ -1,12 +1,12 @@
-"""The fused inference layout (ddtree/fused.py) against the separate-projection reference: same logits, same
+"""The fused inference layout (ddtree/models/fused.py) against the separate-projection reference: same logits, same
 tokens for every method, an unchanged state dict, and a layout that survives .to()."""
 
 import pytest
 import torch
 
 from conftest import assert_same_tokens
-from ddtree.attention import Visibility
-from ddtree.testing import random_pair, random_target
+from ddtree.models.attention import Visibility
+from ddtree.bench.testing import random_pair, random_target
 
 ARCHS = ["llama", "qwen2", "qwen3"]  # qwen2: q/k/v biases; qwen3: per-head q/k norms
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.config import ConfigError
-from ddtree.gguf_export import permute_rope_rows, write_gguf
-from ddtree.testing import random_target
+from ddtree.base.config import ConfigError
+from ddtree.models.gguf_export import permute_rope_rows, write_gguf
+from ddtree.bench.testing import random_target
 
 
 def template(path):

@@ -1,4 +1,4 @@
-"""The CUDA-graph runtime (ddtree/gpu/runtime.py). On a CPU its padded, device-indexed passes run uncaptured
+"""The CUDA-graph runtime (ddtree/runtime/gpu/runtime.py). On a CPU its padded, device-indexed passes run uncaptured
 (graphs=False) with Triton's interpreter, which checks everything but the capture; on a GPU the captured replays
 are checked against the same passes run uncaptured."""
 import os
@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
 from conftest import plant_oracle, run  # noqa: E402
-from ddtree.attention import Visibility  # noqa: E402
-from ddtree.gpu import runtime as gpu  # noqa: E402
-from ddtree.testing import random_pair  # noqa: E402
-from ddtree.tree import ancestor_matrix  # noqa: E402
+from ddtree.models.attention import Visibility  # noqa: E402
+from ddtree.runtime.gpu import runtime as gpu  # noqa: E402
+from ddtree.bench.testing import random_pair  # noqa: E402
+from ddtree.engine.tree import ancestor_matrix  # noqa: E402
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":

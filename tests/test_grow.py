@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from ddtree.config import ConfigError
-from ddtree.testing import random_pair
+from ddtree.base.config import ConfigError
+from ddtree.bench.testing import random_pair
 from ddtree.train.grow import grow_drafter, layers_from_target
 from ddtree.train.model import target_features
 from ddtree.train.vocab import with_draft_vocab

@@ -9,9 +9,9 @@ import torch
 
 import ddtree
 from conftest import plant_oracle, run
-from ddtree.config import ConfigError
-from ddtree.drafter import untrained_drafter
-from ddtree.loading import load_target
+from ddtree.base.config import ConfigError
+from ddtree.models.drafter import untrained_drafter
+from ddtree.models.loading import load_target
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
@@ -108,7 +108,7 @@ def test_matches_hf_generate(hf_dirs, arch):
 def test_self_check_catches_a_missing_window(hf_dirs, monkeypatch):
     """The load-time check compares our masked, cached pass with the model's own forward: a cache that
     forgets the sliding window must be refused, not run."""
-    from ddtree import hf_cache
+    from ddtree.models import hf_cache
 
     monkeypatch.setattr(hf_cache, "kept_rows", lambda length, window: length)
     monkeypatch.setattr(hf_cache, "window_visible", lambda q, k, window, causal: hf_cache.torch.ones(
@@ -149,8 +149,8 @@ def test_refusals(hf_dirs, tmp_path):
 def test_tap_features_are_the_decoder_layer_outputs(hf_dirs, arch):
     """Hooked tap features = the model's own hidden_states[l + 1] (layers before the last, whose entry HF may
     give after the final norm), for a prefill and for a tree pass; on Llama they also equal the own code's."""
-    from ddtree.attention import Visibility
-    from ddtree.tree import ancestor_matrix
+    from ddtree.models.attention import Visibility
+    from ddtree.engine.tree import ancestor_matrix
 
     target = load_target(hf_dirs[arch], torch.float32, "cpu", backend="hf")
     ids = torch.tensor([5, 17, 3, 42, 8, 8, 61, 2, 30, 11, 9, 70])
@@ -187,7 +187,7 @@ def test_attention_layout_reads_one_kwargs_dict_for_all_layers(monkeypatch):
     import transformers.cache_utils as cu
     from transformers import LlamaConfig
 
-    from ddtree.hf_target import attention_layout
+    from ddtree.models.hf_target import attention_layout
 
     cfg = LlamaConfig(num_hidden_layers=3, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                       vocab_size=64)

@@ -1,4 +1,4 @@
-"""Hugging Face hub ids for target= and draft= (ddtree/hub.py), offline against a hub-cache layout built here
+"""Hugging Face hub ids for target= and draft= (ddtree/base/hub.py), offline against a hub-cache layout built here
 (models--org--name/blobs, snapshots/<commit>/..., refs/main): no network is used."""
 import hashlib
 import os
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import ddtree
-from ddtree import hub
-from ddtree.config import ConfigError
-from ddtree.testing import char_tokenizer, random_pair, save_target
+from ddtree.base import hub
+from ddtree.base.config import ConfigError
+from ddtree.bench.testing import char_tokenizer, random_pair, save_target
 
 
 def hub_snapshot(cache: Path, repo: str, files: Path, commit: str | None = None, ref: str = "main",
@@ -124,7 +124,7 @@ def test_a_missing_local_path_still_says_so(tmp_path):
 def test_the_embedded_model_from_a_hub_cache(tmp_path, offline_cache):
     """The embedded pair's files (the converted target, the shipped drafter) as cached hub models: loaded by id,
     decoded losslessly."""
-    from ddtree.loading import SHIPPED_DRAFTER, resolve_target_dir
+    from ddtree.models.loading import SHIPPED_DRAFTER, resolve_target_dir
 
     hub_snapshot(offline_cache, "HuggingFaceTB/SmolLM2-135M-Instruct",
                  Path(resolve_target_dir(None)), link=True)

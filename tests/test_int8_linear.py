@@ -1,4 +1,4 @@
-"""The int8-activation kernel (kernels/int8_linear.cpp, ddtree.cpu.int8): its quantization and its products equal
+"""The int8-activation kernel (kernels/int8_linear.cpp, ddtree.runtime.cpu.int8): its quantization and its products equal
 the plain-torch reference bit for bit, a row's result does not depend on the other rows or the threads, and the
 result is close to the float product."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.cpu import int8
-from ddtree.cpu.qlinear import QWeight, cpu_flags
+from ddtree.runtime.cpu import int8
+from ddtree.runtime.cpu.qlinear import QWeight, cpu_flags
 
 # SmolLM2-135M's projections (N, K): qkv fused, o, gate/up fused, down; and odd N
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (67, 576), (1, 64), (5, 128)]
@@ -184,8 +184,8 @@ def test_every_build_gives_the_same_bits(weights, isa):
 
 def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
     """Its code would stop the process with an illegal instruction: refused, naming the missing flags."""
-    from ddtree.config import ConfigError
-    from ddtree.cpu import qlinear
+    from ddtree.base.config import ConfigError
+    from ddtree.runtime.cpu import qlinear
 
     monkeypatch.setattr(qlinear, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
     with pytest.raises(ConfigError, match="avx512_vnni, avx512bw, avx512f, avx512vl"):

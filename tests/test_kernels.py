@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from ddtree.kernel_files import kernel_dir, kernel_module  # noqa: E402
+from ddtree.base.kernel_files import kernel_dir, kernel_module  # noqa: E402
 
-ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/kernel_files.py)
+ta = kernel_module("tree_attention")  # from kernels/, wherever ddtree runs from (ddtree/base/kernel_files.py)
 
 if not torch.cuda.is_available() and not type(ta._tree_attention_kernel).__name__.startswith("Interpreted"):
     # Triton picks interpreter mode when it is imported (triton.language too); it cannot be switched later.

@@ -1,10 +1,10 @@
-"""The rules every DDTREE_* variable is read by (ddtree/knobs.py)."""
+"""The rules every DDTREE_* variable is read by (ddtree/base/knobs.py)."""
 from pathlib import Path
 
 import pytest
 
-from ddtree.config import ConfigError
-from ddtree.knobs import env_choice, env_flag, env_path
+from ddtree.base.config import ConfigError
+from ddtree.base.knobs import env_choice, env_flag, env_path
 
 
 @pytest.mark.parametrize("value, expected", [("1", True), ("TRUE", True), ("yes", True), ("On", True),

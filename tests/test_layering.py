@@ -6,16 +6,20 @@ from pathlib import Path
 import ddtree
 
 PACKAGE = Path(ddtree.__file__).resolve().parent
-# lowest first: a module may import its own layer and the ones below it
+# The layers, lowest first: a folder per layer (api.py, the facade the benchmark and training build on, and the
+# entry points are the only modules outside one); a module may import its own layer and the ones below it.
 LAYERS = [
-    "config knobs cache files protocol kv_cache stats traces checker stops method_spec tree kernel_files hub machine_load",
-    "attention layers fused target hf_target hf_cache loading markov drafter wrapping",
-    "cpu gpu",
-    "sampling cost_cache budget engine testing gguf_export",
-    "api compare hf_baseline llamacpp_baseline peers runner datasets train",
-    "benchmark cli serve __main__ __init__",
+    "base",  # settings, knobs, files, caches, where the kernels are, the machine, hub ids
+    "models",  # the pure-torch reference models and loading them
+    "runtime",  # fast paths around the models, chosen at load (cpu/, gpu/)
+    "engine",  # the decoding loop and its pure parts
+    "api",  # load / Pair / generate
+    "bench",  # the benchmark, compare and its runner, the peers, seeded pairs
+    "train",  # drafter training
+    "cli serve __main__ __init__",  # entry points
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names.split()}
+ENTRY_POINTS = {"api", "cli", "serve", "__main__", "__init__"}
 REFERENCE_MODEL = ("layers", "target", "drafter", "attention", "fused", "kv_cache")
 
 
@@ -43,10 +47,18 @@ def top(module: str) -> str:
     return module.split(".")[0] if module else "__init__"
 
 
-def test_reference_model_files_import_nothing_cpu_specific():
+def test_reference_model_files_import_no_runtime():
     for name in REFERENCE_MODEL:
-        found = [m for m, _ in imports(PACKAGE / f"{name}.py") if top(m) == "cpu"]
-        assert not found, f"ddtree/{name}.py imports {found}: the CPU runtime wraps the model, not the other way"
+        found = [m for m, _ in imports(PACKAGE / "models" / f"{name}.py") if top(m) == "runtime"]
+        assert not found, f"ddtree/models/{name}.py imports {found}: a runtime wraps the model, not the other way"
+
+
+def test_the_folders_are_the_layers():
+    """Every module lives in its layer's folder; only the entry points sit at the top."""
+    flat = {p.stem for p in PACKAGE.glob("*.py")}
+    assert flat == ENTRY_POINTS, f"modules outside a layer's folder: {sorted(flat - ENTRY_POINTS)}"
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(LAYER) - ENTRY_POINTS, sorted(folders ^ (set(LAYER) - ENTRY_POINTS))
 
 
 def test_no_module_imports_a_higher_layer():
@@ -58,7 +70,7 @@ def test_no_module_imports_a_higher_layer():
                 continue
             if LAYER[top(module)] > LAYER[top(here)]:
                 ups.append(f"{here} -> {module}" + (" (inside a function)" if in_function else ""))
-    assert ("layers", False) in imports(PACKAGE / "target.py")  # the reader sees the imports it must
+    assert ("models.layers", False) in imports(PACKAGE / "models" / "target.py")  # the reader sees the imports
     assert not ups, f"imports up a layer (see LAYERS): {ups}"
 
 

@@ -6,11 +6,11 @@ import warnings
 import pytest
 
 from ddtree.api import Pair
-from ddtree.config import ConfigError
-from ddtree.method_spec import MethodSpec, parse_methods
-from ddtree.peers import available
-from ddtree.runner import agreement
-from ddtree.testing import random_pair
+from ddtree.base.config import ConfigError
+from ddtree.engine.method_spec import MethodSpec, parse_methods
+from ddtree.bench.peers import available
+from ddtree.bench.runner import agreement
+from ddtree.bench.testing import random_pair
 
 
 @pytest.fixture
@@ -66,8 +66,8 @@ def test_llama_cpp_decodes_the_same_weights():
     import torch
 
     import ddtree
-    from ddtree.runner import RunSettings, run_prompt
-    from ddtree.peers import Peers
+    from ddtree.bench.runner import RunSettings, run_prompt
+    from ddtree.bench.peers import Peers
 
     torch.set_num_threads(1)
     with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""Loading (ddtree/loading.py): the default dtype, devices and dtypes checked before the load, target and
+"""Loading (ddtree/models/loading.py): the default dtype, devices and dtypes checked before the load, target and
 drafter files that do not match, and the dequantized GGUF cache (checksummed at conversion, verified on load)."""
 import json
 import os
@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.cache import checksum
-from ddtree.config import ConfigError
-from ddtree.loading import default_dtype, resolve_target_dir, verify_cache
+from ddtree.base.cache import checksum
+from ddtree.base.config import ConfigError
+from ddtree.models.loading import default_dtype, resolve_target_dir, verify_cache
 import ddtree
-from ddtree.testing import add_markov_head, char_tokenizer, random_pair, save_target
+from ddtree.bench.testing import add_markov_head, char_tokenizer, random_pair, save_target
 
 
 @pytest.mark.parametrize("amx, avx512_bf16", [
@@ -132,8 +132,8 @@ def test_drafter_that_does_not_match_the_target(model_dirs):
 def fake_gguf(tmp_path, monkeypatch):
     """A .gguf path whose "dequantization" is a tiny seeded model (the real one takes ~20 s), in a private
     DDTREE_CACHE. Returns (path, list of conversions done)."""
-    from ddtree import loading
-    from ddtree.hf_baseline import to_hf_model
+    from ddtree.models import loading
+    from ddtree.bench.hf_baseline import to_hf_model
 
     conversions = []
 
@@ -185,7 +185,7 @@ def test_damaged_cache_is_detected_and_rebuilt(fake_gguf, damage, capsys):
 
 def test_untouched_cache_is_not_hashed_again(fake_gguf, monkeypatch):
     """A load checks stat stamps; the files are hashed again only when a stamp changed (any write changes it)."""
-    from ddtree import cache
+    from ddtree.base import cache
 
     monkeypatch.setattr(cache, "STAMP_SETTLE_NS", -1)  # record stamps at once, not 2 s after the last write
     hashed = []
@@ -209,7 +209,7 @@ def test_a_killed_conversions_staging_is_swept(fake_gguf, tmp_path):
     import subprocess
     import sys
 
-    from ddtree.loading import gguf_cache_dir
+    from ddtree.models.loading import gguf_cache_dir
 
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -329,7 +329,7 @@ def test_config_sizes_are_checked_before_anything_is_allocated(model_dirs, monke
     header: a float, a string, 300 layers where the file has 2 (or 6), an intermediate_size of 10**9 or a Markov
     rank of 10**6 is a ConfigError naming the field, the value and the fix; every model is built on the meta device
     (no memory), and no weight data is read before the config is found to match its weights."""
-    from ddtree import drafter as drafter_module, loading
+    from ddtree.models import drafter as drafter_module, loading
 
     target_dir, drafter_dir = model_dirs
     _edit_json((target_dir if which == "target" else drafter_dir) / "config.json", **changes)
@@ -359,7 +359,7 @@ def test_a_drafter_is_built_on_the_meta_device_and_filled_from_its_file(model_di
     """DFlashDrafter.load builds no random weights: the loaded drafter equals the saved one exactly."""
     from safetensors.torch import load_file
 
-    from ddtree.drafter import DFlashDrafter
+    from ddtree.models.drafter import DFlashDrafter
 
     _, drafter_dir = model_dirs
     saved = load_file(str(drafter_dir / "model.safetensors"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.testing import random_pair
+from ddtree.bench.testing import random_pair
 
 BLOCK = 8
 BUDGETS = [1, BLOCK - 1, 16, 64, 256, "auto"]

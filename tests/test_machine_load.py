@@ -1,8 +1,8 @@
 """The machine's load as the benchmark reads it: other processes' CPU time from /proc/stat minus our own."""
 import pytest
 
-from ddtree import machine_load
-from ddtree.machine_load import LoadMeter, cpu_description, machine_busy_seconds
+from ddtree.base import machine_load
+from ddtree.base.machine_load import LoadMeter, cpu_description, machine_busy_seconds
 
 TICKS = machine_load._TICKS
 

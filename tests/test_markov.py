@@ -1,4 +1,4 @@
-"""The Markov head (ddtree/markov.py): its conditionals, the trees built from them, its file format, and
+"""The Markov head (ddtree/models/markov.py): its conditionals, the trees built from them, its file format, and
 decoding with it (exactly plain decoding's tokens, greedy and sampled)."""
 import itertools
 import json
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.config import SamplingParams
-from ddtree.drafter import DFlashDrafter
-from ddtree.engine import Decoder, chain_ids, make_method, tree_nodes
-from ddtree.markov import (MarkovHead, conditional_best_first, conditional_chain, conditional_logprobs,
+from ddtree.base.config import SamplingParams
+from ddtree.models.drafter import DFlashDrafter
+from ddtree.engine.decoder import Decoder, chain_ids, make_method, tree_nodes
+from ddtree.models.markov import (MarkovHead, conditional_best_first, conditional_chain, conditional_logprobs,
                            conditional_table, head_chain_ids, head_tree_nodes)
-from ddtree.testing import add_markov_head, random_pair
-from ddtree.tree import best_first_nodes
+from ddtree.bench.testing import add_markov_head, random_pair
+from ddtree.engine.tree import best_first_nodes
 
 
 def random_head(hidden=16, vocab=12, positions=4, rank=3, candidates=5, seed=0):
@@ -205,7 +205,7 @@ def test_sampling_with_a_head_matches_the_target_distribution():
 
 # --- the same trees in the CPU kernel (kernels/tree.cpp: markov_tree, markov_chain), as a CPU runtime builds them --
 def _kernel():
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     if not qlinear.cpu_kernel_available("auto"):
         pytest.skip("the CPU kernel does not build here")
@@ -250,7 +250,7 @@ def test_kernel_markov_tree_refuses_bad_input():
 
 def test_a_runtime_drafter_builds_the_head_trees_in_the_kernel():
     """tree_nodes / chain_ids on a CPU runtime's drafter (kernel) give what the Python path gives."""
-    from ddtree.engine import host_kernel
+    from ddtree.engine.decoder import host_kernel
 
     _, drafter = random_pair("llama", seed=3, block_size=8)
     add_markov_head(drafter, seed=4)

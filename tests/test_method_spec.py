@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from ddtree.api import Pair
-from ddtree.config import ConfigError
-from ddtree.engine import AR, AdaptiveDDTree, DDTree, DFlash, make_method
-from ddtree.method_spec import AUTO, DEFAULT_BUDGET, MethodSpec, default_budget, parse_budget, parse_methods
-from ddtree.stats import StageTimer
-from ddtree.testing import random_pair
+from ddtree.base.config import ConfigError
+from ddtree.engine.decoder import AR, AdaptiveDDTree, DDTree, DFlash, make_method
+from ddtree.engine.method_spec import AUTO, DEFAULT_BUDGET, MethodSpec, default_budget, parse_budget, parse_methods
+from ddtree.engine.stats import StageTimer
+from ddtree.bench.testing import random_pair
 
 
 @pytest.mark.parametrize("text,label", [("ar", "ar"), ("hf", "hf"), ("dflash", "dflash"),
@@ -161,7 +161,7 @@ def test_cli_refuses_bad_specs_before_loading(argv, message, capsys):
                                           (["--budgets", "16,-1"], "got '-1'")])
 def test_benchmark_refuses_bad_specs(argv, message, tmp_path, capsys):
     """`--budgets 0` used to run budget 64 silently."""
-    from ddtree.benchmark import main
+    from ddtree.bench.benchmark import main
 
     assert main(argv + ["--target", "/nonexistent/model", "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
@@ -170,7 +170,7 @@ def test_benchmark_refuses_bad_specs(argv, message, tmp_path, capsys):
 def test_auto_keeps_what_it_learns_per_sampling_setting(pair):
     """auto's trust in the drafter, its gate and its draft length are per sampling setting: what a T = 1 prompt
     teaches it does not carry into the next greedy one; greedy is one setting whatever its top-p / top-k."""
-    from ddtree.config import SamplingParams
+    from ddtree.base.config import SamplingParams
 
     m = make_method("ddtree:auto", None, None, pair.drafter)
     m.prepare(pair.target, pair.drafter)  # greedy

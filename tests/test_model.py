@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.attention import Visibility
-from ddtree.testing import random_target
-from ddtree.tree import ancestor_matrix
+from ddtree.models.attention import Visibility
+from ddtree.bench.testing import random_target
+from ddtree.engine.tree import ancestor_matrix
 
 
 def full_logits(target, ids):
@@ -89,7 +89,7 @@ def test_tap_features_are_layer_outputs():
 def test_ar_equals_huggingface_generate(arch):
     """Plain decoding through our engine gives HF generate()'s greedy tokens (an independent reference)."""
     from ddtree.api import Pair
-    from ddtree.hf_baseline import hf_generate, to_hf_model
+    from ddtree.bench.hf_baseline import hf_generate, to_hf_model
 
     target = random_target(arch, seed=5, init_scale=0.25)
     hf = to_hf_model(target)
@@ -103,7 +103,7 @@ def test_rotary_table_rows_equal_the_direct_computation():
     """On a CPU, RoPE cos/sin come from a table grown on demand: every row must equal the direct computation for
     any positions (a tree's repeated ones included), past the table's first size, in each dtype, and after the
     inverse frequencies are replaced (.to() of the model)."""
-    from ddtree.layers import Rotary
+    from ddtree.models.layers import Rotary
 
     target = random_target("qwen3", seed=0)
     rotary = Rotary(target.cfg)

@@ -4,7 +4,7 @@ import warnings
 import numpy as np
 import pytest
 
-from ddtree.testing import add_markov_head, random_pair
+from ddtree.bench.testing import add_markov_head, random_pair
 from ddtree.train.probe import (accepted_lengths, anchor_drafts, anchor_tables, block_drafts, head_accepted_lengths,
                                 probe, tree_tau)
 

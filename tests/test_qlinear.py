@@ -1,4 +1,4 @@
-"""The CPU kernel (ddtree/cpu/qlinear.py, kernels/qlinear.cpp): GGUF blocks dequantized exactly, products against a
+"""The CPU kernel (ddtree/runtime/cpu/qlinear.py, kernels/qlinear.cpp): GGUF blocks dequantized exactly, products against a
 dequantize-then-float reference, row results independent of the batch, the float32 / bf16 / packed / 8-bit paths,
 the AVX-512 build against the AVX2 one, and the compiled library in the cache. The first test builds the kernel."""
 import random
@@ -8,9 +8,9 @@ import gguf
 import pytest
 import torch
 
-from ddtree.config import ConfigError
-from ddtree.cpu.qlinear import KERNEL_MAX_ROWS, QWeight
-from ddtree.testing import random_target
+from ddtree.base.config import ConfigError
+from ddtree.runtime.cpu.qlinear import KERNEL_MAX_ROWS, QWeight
+from ddtree.bench.testing import random_target
 
 KINDS = ["Q4_1", "Q8_0"]
 
@@ -72,7 +72,7 @@ def test_fused_rows_and_bad_input():
 
 
 def test_float32_kernel_matches_torch_and_does_not_depend_on_the_batch():
-    from ddtree.cpu.qlinear import kernel
+    from ddtree.runtime.cpu.qlinear import kernel
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(203, 192, generator=gen)
@@ -85,8 +85,8 @@ def test_float32_kernel_matches_torch_and_does_not_depend_on_the_batch():
 def test_linear_takes_the_kernel_for_skinny_inference_products_only(monkeypatch):
     """The runtime's Linear: 2-64 float32 rows in inference go to the kernel; one row (without a transpose kept), a
     wide pass, a product that needs gradients, and a runtime without a kernel (cpu_kernel='off') take F.linear."""
-    import ddtree.cpu.qlinear as qlinear
-    from ddtree.cpu.runtime import Linear
+    import ddtree.runtime.cpu.qlinear as qlinear
+    from ddtree.runtime.cpu.runtime import Linear
 
     calls = []
     real = qlinear.kernel()
@@ -108,7 +108,7 @@ def test_the_kernel_choice_is_a_load_argument_the_environment_overrides(monkeypa
     """load(cpu_kernel=...) names the build ('auto' the CPU's own) or turns it off; DDTREE_CPU_KERNEL=0 turns it
     off whatever was asked, DDTREE_CPU_ISA forces a build; bad names are refused with the choices."""
     import ddtree
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     for name in ("DDTREE_CPU_KERNEL", "DDTREE_CPU_ISA"):
         monkeypatch.delenv(name, raising=False)
@@ -128,7 +128,7 @@ def test_the_kernel_choice_is_a_load_argument_the_environment_overrides(monkeypa
 
 def test_bf16_kernel_equals_the_float32_kernel_on_the_widened_weights():
     """bf16_linear widens the weights in registers, exactly, and sums as f32_linear does: same bits, any rows."""
-    from ddtree.cpu.qlinear import kernel
+    from ddtree.runtime.cpu.qlinear import kernel
 
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(40, 128, generator=gen).to(torch.bfloat16)
@@ -143,7 +143,7 @@ def test_power_of_two_q8_blocks_are_exact_in_bf16_and_sum_as_bf16():
     """po2_q8: per block of 32, d = the smallest power of two with |w| <= 127 d. The rounded values are bfloat16
     values, the blocks of a rounded weight dequantize to it exactly (and to nothing else: a weight that is not such
     values has none), and q8_0_linear over them equals bf16_linear over the same values bit for bit, any rows."""
-    from ddtree.cpu.qlinear import kernel, po2_q8, round_po2_q8
+    from ddtree.runtime.cpu.qlinear import kernel, po2_q8, round_po2_q8
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, 128, generator=gen) * torch.logspace(-4, 1, 40).unsqueeze(1)  # scales far apart
@@ -169,7 +169,7 @@ def test_power_of_two_q8_blocks_are_exact_in_bf16_and_sum_as_bf16():
 def test_packed_float32_kernel_equals_the_row_major_one():
     """f32p_linear reads pack_rows' tile-by-tile layout and sums as f32_linear does: same bits, any rows and
     threads (the prefetching differs with the rows, the arithmetic does not)."""
-    from ddtree.cpu.qlinear import kernel, pack_rows
+    from ddtree.runtime.cpu.qlinear import kernel, pack_rows
 
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(48, 192, generator=gen)
@@ -198,9 +198,9 @@ AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
 def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
     """The AVX-512 build takes up to 12 rows in one pass, on other tiles; every output keeps its one chain of
     sums, so each product, and a whole target's logits through the decoder stack, are the AVX2 build's bits."""
-    from ddtree.attention import Visibility
-    from ddtree.cpu import qlinear
-    from ddtree.cpu.runtime import CPUTarget
+    from ddtree.models.attention import Visibility
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.runtime.cpu.runtime import CPUTarget
 
     avx2, avx512 = qlinear.build_kernel("avx2"), qlinear.build_kernel("avx512")
     assert (avx2.wide_pass_rows, avx512.wide_pass_rows, avx2.isa, avx512.isa) == (5, 12, "avx2", "avx512")
@@ -248,7 +248,7 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
 def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     """Where torch reports AVX-512 but the AVX-512 build does not compile, the AVX2 build serves (with a
     warning) instead of the CPU losing its kernel; DDTREE_CPU_ISA names a build outright, and a bad name is refused."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     calls = []
 
@@ -292,7 +292,7 @@ PyMODINIT_FUNC CAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&mo
 
 def tiny_build(tmp_path, monkeypatch):
     """compile_extension of TINY into a cache under tmp_path: (a function that builds or loads it, its folder)."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "tiny.cpp"
@@ -306,7 +306,7 @@ def tiny_build(tmp_path, monkeypatch):
 
 
 def library_of(folder):
-    from ddtree import cache
+    from ddtree.base import cache
 
     return folder / cache.read_manifest(folder)["library"]
 
@@ -351,7 +351,7 @@ def test_a_stale_build_lock_is_removed_not_waited_for(tmp_path, monkeypatch, cap
 def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, capsys, kind):
     """A damaged compiled library (a bus error or segfault when loaded) fails its checksum: it is built again,
     with a notice, and only the rebuilt one is imported."""
-    from ddtree import cache
+    from ddtree.base import cache
 
     build, folder = tiny_build(tmp_path, monkeypatch)
     library = library_of(folder)
@@ -359,7 +359,7 @@ def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, ca
     damage(library, b"" if kind == "empty" else bytes(random.Random(0).randrange(256) for _ in range(size)))
     loaded = []
     real_import = cache.import_library
-    monkeypatch.setattr("ddtree.cpu.qlinear.import_library", lambda p, n: loaded.append(p) or real_import(p, n))
+    monkeypatch.setattr("ddtree.runtime.cpu.qlinear.import_library", lambda p, n: loaded.append(p) or real_import(p, n))
     capsys.readouterr()
     assert build().answer() == 42
     assert "damaged or incomplete" in capsys.readouterr().err
@@ -370,7 +370,7 @@ def test_a_damaged_library_is_rebuilt_and_never_loaded(tmp_path, monkeypatch, ca
 def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkeypatch):
     """A read-only cache (a container, a shared install) with a complete build: imported without a lock, a
     compiler or a write (before, the build lock could not be taken and torch's slower matmuls served)."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     build, folder = tiny_build(tmp_path, monkeypatch)
 
@@ -385,7 +385,7 @@ def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkey
 def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
     """DDTREE_CPU_ISA=bogus is an error (before: a warning and torch's 2x slower matmuls); DDTREE_CPU_KERNEL
     takes any boolean spelling (before: only "0" turned it off)."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     qlinear.cpu_kernel_available.cache_clear()
     try:
@@ -408,7 +408,7 @@ def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
 def test_a_cold_build_says_so_and_keeps_saying_so(tmp_path, monkeypatch, capsys):
     """A build announces itself with how long it takes, then a notice every BUILD_NOTICE_EVERY seconds while the
     compiler runs (a cold first load was 137 s of silence); the damaged-build notice reads as a sentence."""
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     monkeypatch.setattr(qlinear, "BUILD_NOTICE_EVERY", 0.05)
     build, folder = tiny_build(tmp_path, monkeypatch)

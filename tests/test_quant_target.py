@@ -1,4 +1,4 @@
-"""A target on its GGUF file's own blocks (ddtree/cpu/quant_target.py, quant="gguf"): the same model as the float
+"""A target on its GGUF file's own blocks (ddtree/runtime/cpu/quant_target.py, quant="gguf"): the same model as the float
 target, lossless methods on it, and the refusals."""
 import random
 
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import run
-from ddtree.config import ConfigError
-from ddtree.drafter import untrained_drafter
-from ddtree.gguf_export import permute_rope_rows, write_gguf
-from ddtree.cpu.qlinear import QLinear, QWeight, round_po2_q8
-from ddtree.cpu.quant_target import dequantized_state, llama_row_order, quantize_target
-from ddtree.cpu.runtime import attach, cpu_target
-from ddtree.testing import random_target
+from ddtree.base.config import ConfigError
+from ddtree.models.drafter import untrained_drafter
+from ddtree.models.gguf_export import permute_rope_rows, write_gguf
+from ddtree.runtime.cpu.qlinear import QLinear, QWeight, round_po2_q8
+from ddtree.runtime.cpu.quant_target import dequantized_state, llama_row_order, quantize_target
+from ddtree.runtime.cpu.runtime import attach, cpu_target
+from ddtree.bench.testing import random_target
 from test_gguf_export import template
 
 
@@ -96,7 +96,7 @@ def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp
     """quant='gguf-int8': every product of the stack and of the eager layers quantizes its activations per block
     (kernels/int8_linear.cpp): logits within a few % of the float model's largest (the same greedy tokens here),
     and the stack matches the eager layers on the same kernels within float32 rounding, one row or several."""
-    from ddtree.cpu.runtime import reference_arithmetic
+    from ddtree.runtime.cpu.runtime import reference_arithmetic
     from test_fused import logits
 
     q, f = quantized("qwen3", tmp_path, int8=True), quantizable_target("qwen3")
@@ -115,9 +115,9 @@ def test_verify_reads_the_quantized_heads_rows_lazily_where_that_is_cheaper(int8
     """A head with float activations (compute-bound at several rows) reads a walk's rows lazily from 2 nodes; one
     with int8 activations, whose extra rows cost little next to streaming the weight once, reads all rows at once
     up to INT8_HEAD_ALL_ROWS. Either way a row's logits are the same bits (a row never depends on the others)."""
-    from ddtree.attention import Visibility
-    from ddtree.cpu.runtime import INT8_HEAD_ALL_ROWS
-    from ddtree.tree import ancestor_matrix, chain_parents
+    from ddtree.models.attention import Visibility
+    from ddtree.runtime.cpu.runtime import INT8_HEAD_ALL_ROWS
+    from ddtree.engine.tree import ancestor_matrix, chain_parents
 
     target = quantized("llama", tmp_path, int8=int8)
     limit = INT8_HEAD_ALL_ROWS[bool(target.kernel.int8_vnni)] if int8 else 1
@@ -186,7 +186,7 @@ def test_embedded_default_quantized_decodes_as_the_float_target():
 
 def test_hf_peer_runs_the_dequantized_weights(tmp_path):
     """The `hf` method on a quantized target loads the exact float weights (dequantized) into transformers."""
-    from ddtree.hf_baseline import to_hf_model
+    from ddtree.bench.hf_baseline import to_hf_model
     from test_fused import logits
 
     q = quantized("llama", tmp_path)
@@ -198,7 +198,7 @@ def test_hf_peer_runs_the_dequantized_weights(tmp_path):
 
 
 def test_quantized_and_float_targets_keep_separate_verify_cost_curves(tmp_path):
-    from ddtree.cost_cache import cost_key
+    from ddtree.engine.cost_cache import cost_key
 
     q, f = quantized("llama", tmp_path), quantizable_target("llama")
     drafter = untrained_drafter(f, 1, 8)

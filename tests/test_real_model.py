@@ -69,8 +69,8 @@ def test_shipped_drafter_is_the_default_and_is_trained(pair32):
     trained one: on the same prompts it accepts clearly more than a random drafter (tau ~ 1.0). Its model card
     gives held-out tau 1.42 (dflash) and 2.06 (ddtree at 32); the bounds here sit below that, above random."""
     from ddtree.api import Pair
-    from ddtree.drafter import untrained_drafter
-    from ddtree.loading import SHIPPED_DRAFTER
+    from ddtree.models.drafter import untrained_drafter
+    from ddtree.models.loading import SHIPPED_DRAFTER
 
     weights = SHIPPED_DRAFTER / "model.safetensors"
     assert weights.is_file() and (SHIPPED_DRAFTER / "config.json").is_file()

@@ -5,13 +5,13 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.api import Pair
-from ddtree.benchmark import PRESETS, build_plan, estimate_seconds, summarize
-from ddtree.compare import compare
-from ddtree.config import ConfigError
-from ddtree.datasets import load_prompt_items, load_prompts
-from ddtree.method_spec import MethodSpec, parse_methods
-from ddtree.runner import RunSettings, run_prompt, summarize_methods
-from ddtree.testing import char_tokenizer, random_pair
+from ddtree.bench.benchmark import PRESETS, build_plan, estimate_seconds, summarize
+from ddtree.bench.compare import compare
+from ddtree.base.config import ConfigError
+from ddtree.bench.datasets import load_prompt_items, load_prompts
+from ddtree.engine.method_spec import MethodSpec, parse_methods
+from ddtree.bench.runner import RunSettings, run_prompt, summarize_methods
+from ddtree.bench.testing import char_tokenizer, random_pair
 
 
 def rec(method, prompt_index, seconds, new_tokens, steps=None, dataset="d", temperature=0.0):
@@ -173,7 +173,7 @@ def test_cells_are_flagged_by_load_and_by_spread():
 
 
 def test_merge_repeats_keeps_the_first_runs_tokens_and_the_worst_check():
-    from ddtree.benchmark import merge_repeats
+    from ddtree.bench.benchmark import merge_repeats
 
     run = dict(rec("ddtree:4", 0, 1.0, 10), token_ids=[1, 2], time_to_first_token=0.2,
                stage_seconds={"verify": 0.5}, load=0.0)
@@ -187,7 +187,7 @@ def test_merge_repeats_keeps_the_first_runs_tokens_and_the_worst_check():
 
 
 def test_headline_tables_best_fixed_budget_and_the_readme(tmp_path):
-    from ddtree.benchmark import best_fixed, headline, readme_table, update_readme
+    from ddtree.bench.benchmark import best_fixed, headline, readme_table, update_readme
 
     def row(method, speedup, flagged=None, budget=None, mode="float"):
         return dict(mode=mode, dataset="gsm", temperature=0.0, method=method, budget=budget, speedup=speedup,
@@ -219,7 +219,7 @@ def test_headline_tables_best_fixed_budget_and_the_readme(tmp_path):
 
 
 def test_benchmark_exit_status_tells_a_crash_from_a_failed_check(monkeypatch, capsys, tmp_path):
-    from ddtree import benchmark
+    from ddtree.bench import benchmark
 
     def crash(*args, **kwargs):
         raise RuntimeError("a bug")

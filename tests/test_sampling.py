@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
-from ddtree.attention import Visibility
-from ddtree.config import SamplingParams
-from ddtree.engine import Decoder, make_method
-from ddtree.sampling import processed_probs
-from ddtree.testing import random_pair
-from ddtree.tree import walk
+from ddtree.models.attention import Visibility
+from ddtree.base.config import SamplingParams
+from ddtree.engine.decoder import Decoder, make_method
+from ddtree.engine.sampling import processed_probs
+from ddtree.bench.testing import random_pair
+from ddtree.engine.tree import walk
 
 VOCAB, LENGTH, SAMPLES = 6, 3, 2400
 PROMPT = [1, 4, 2, 5]
@@ -114,8 +114,8 @@ def test_processed_probs_top_k_top_p():
 def test_greedy_argmax_kernel_gives_torch_argmax():
     """The greedy choice goes through the CPU kernel's argmax_rows on float32 CPU logits: torch.argmax's index on
     every row, ties (the first maximum), infinities and NaNs (the first NaN) included."""
-    from ddtree.cpu import qlinear
-    from ddtree.sampling import argmax
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.engine.sampling import argmax
 
     if not qlinear.cpu_kernel_available():
         pytest.skip("no CPU kernel on this machine")
@@ -138,8 +138,8 @@ def test_greedy_argmax_kernel_gives_torch_argmax():
 def test_sampling_kernel_is_the_inverse_cdf_and_never_draws_a_zero():
     """sample_rows (the CPU draw behind choose at T > 0): the first index whose running double sum exceeds u x the
     row's total, never one of probability zero, at either end of u's range; a row with no mass is an error."""
-    from ddtree.cpu import qlinear
-    from ddtree.sampling import sample
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.engine.sampling import sample
 
     if not qlinear.cpu_kernel_available():
         pytest.skip("no CPU kernel on this machine")
@@ -177,7 +177,7 @@ def test_a_tiny_temperature_samples_the_top_token(temperature):
     """logits / 1e-40 overflow float32: the distribution is still the limit one (all mass on the top token), never
     a row with "no probability mass"; decoding at such a temperature gives the greedy tokens, for every method."""
     from ddtree.api import Pair
-    from ddtree.testing import random_pair
+    from ddtree.bench.testing import random_pair
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 5
     probs = processed_probs(logits, SamplingParams(temperature=temperature))

@@ -20,7 +20,7 @@ import uvicorn  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree import serve  # noqa: E402
-from ddtree.config import ConfigError  # noqa: E402
+from ddtree.base.config import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in two sentences."}]
@@ -251,7 +251,7 @@ class SlowPair:
                 pair.release.wait(30)
                 yield "ok"
                 from ddtree.api import GenerationResult
-                from ddtree.stats import GenerationStats
+                from ddtree.engine.stats import GenerationStats
 
                 self.result = GenerationResult([1], "ok", GenerationStats("ar", None, None, 1, 1,
                                                                           stop_reason="eos"), [0])

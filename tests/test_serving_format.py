@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree.drafter import DFlashDrafter, untrained_drafter
-from ddtree.loading import SHIPPED_DRAFTER
-from ddtree.markov import CONFIG_KEY as MARKOV_KEY
-from ddtree.testing import add_markov_head, random_target
+from ddtree.models.drafter import DFlashDrafter, untrained_drafter
+from ddtree.models.loading import SHIPPED_DRAFTER
+from ddtree.models.markov import CONFIG_KEY as MARKOV_KEY
+from ddtree.bench.testing import add_markov_head, random_target
 
 LAYER = r"layers\.\d+\."
 LAYER_TENSORS = [LAYER + n for n in (

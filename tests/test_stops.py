@@ -8,11 +8,11 @@ import torch
 
 from conftest import plant_oracle
 from ddtree.api import Pair
-from ddtree.config import ConfigError
-from ddtree.drafter import untrained_drafter
-from ddtree.loading import load_tokenizer, resolve_target_dir
-from ddtree.stops import Stops
-from ddtree.testing import char_tokenizer, random_pair, random_target
+from ddtree.base.config import ConfigError
+from ddtree.models.drafter import untrained_drafter
+from ddtree.models.loading import load_tokenizer, resolve_target_dir
+from ddtree.engine.stops import Stops
+from ddtree.bench.testing import char_tokenizer, random_pair, random_target
 
 METHODS = ["ar", "dflash", "ddtree:1", "ddtree:4", "ddtree:16", "ddtree:auto"]
 TEMPERATURES = [0.0, 0.8]

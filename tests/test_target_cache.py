@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ddtree import loading
-from ddtree.config import ModelConfig
+from ddtree.models import loading
+from ddtree.base.config import ModelConfig
 
 V5_STYLE = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -24,8 +24,8 @@ def test_portable_config_writes_rope_theta_where_older_transformers_read_it():
 
 
 def test_a_conversion_writes_a_portable_config(tmp_path, monkeypatch):
-    from ddtree.hf_baseline import to_hf_model
-    from ddtree.testing import random_target
+    from ddtree.bench.hf_baseline import to_hf_model
+    from ddtree.bench.testing import random_target
 
     def read_gguf(path):  # a tiny transformers model stands in for the dequantized GGUF
         return to_hf_model(random_target("llama", seed=1)), None

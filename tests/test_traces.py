@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree import traces as tr
+from ddtree.engine import traces as tr
 from ddtree.api import Pair
-from ddtree.testing import random_pair
+from ddtree.bench.testing import random_pair
 
 
 def step(parents, logprobs, accepted):
@@ -82,7 +82,7 @@ def test_draft_logprobs_use_the_draft_vocabulary():
     import numpy as np
     import torch
 
-    from ddtree.tree import DraftTree
+    from ddtree.engine.tree import DraftTree
 
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]))  # 2 block positions, 3 draft ids
     tree = DraftTree(torch.tensor([9, 40, 41, 42]), np.array([-1, 0, 0, 1]), np.array([0, 1, 1, 2]),

@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from ddtree.config import ConfigError
-from ddtree.drafter import DFlashDrafter, untrained_drafter
-from ddtree.testing import random_target
+from ddtree.base.config import ConfigError
+from ddtree.models.drafter import DFlashDrafter, untrained_drafter
+from ddtree.bench.testing import random_target
 from ddtree.train.cli import _check_ids, _read_prompts_file, build_parser
 from ddtree.train.data import read_sequences
 from ddtree.train.trainer import Trainer
@@ -111,8 +111,8 @@ def test_quantize_rounds_every_matrix_to_8bit_blocks_and_decodes_losslessly(tmp_
     """`train quantize`: every matrix of the drafter (fc, the layers' projections, the reduced head) becomes
     power-of-two-scaled 8-bit values, stored as bf16 and read back as those blocks; norms and d2t are kept; the
     rounded drafter is a drafter like any other (every method equals ar); a non-empty --out needs --force."""
-    from ddtree.cpu import qlinear
-    from ddtree.cpu.runtime import attach
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.runtime.cpu.runtime import attach
     from ddtree.train import cli
     
     target = random_target("llama", seed=6, init_scale=0.25)

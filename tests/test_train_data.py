@@ -4,7 +4,7 @@ from dataclasses import replace
 import pytest
 
 from ddtree.api import Pair
-from ddtree.testing import random_target
+from ddtree.bench.testing import random_target
 from ddtree.train.data import GenerationSettings, generate_data, read_sequences
 from conftest import id_prompts
 
@@ -79,7 +79,7 @@ def test_given_follow_up_ids_continue_the_row_and_slots_may_change_on_resume(tmp
 
 
 def test_prompts_file_follow_ups_and_several_data_dirs(tiny_data, tmp_path):
-    from ddtree.config import ConfigError
+    from ddtree.base.config import ConfigError
     from ddtree.train.cli import _read_prompts_file
 
     path = tmp_path / "p.jsonl"

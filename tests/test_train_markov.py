@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.config import ConfigError
-from ddtree.loading import SHIPPED_DRAFTER
-from ddtree.markov import MarkovHead
-from ddtree.testing import random_pair
+from ddtree.base.config import ConfigError
+from ddtree.models.loading import SHIPPED_DRAFTER
+from ddtree.models.markov import MarkovHead
+from ddtree.bench.testing import random_pair
 from ddtree.train.markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
 
 
@@ -85,8 +85,8 @@ def test_markov_commands_refuse_bad_input_before_loading(argv, says, capsys, tmp
 def test_quantize_carries_a_head_from_a_drafter_of_the_same_vocabulary(tmp_path, capsys):
     """`train quantize --markov-from DIR`: the donor's head on the rounded drafter; refused for a donor without a
     head or with another block size, and together with --drop-markov."""
-    from ddtree.drafter import DFlashDrafter
-    from ddtree.testing import add_markov_head
+    from ddtree.models.drafter import DFlashDrafter
+    from ddtree.bench.testing import add_markov_head
     from ddtree.train.cli import main
 
     _, plain = random_pair("llama", seed=3, block_size=6, runtime=False)

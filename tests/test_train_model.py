@@ -3,7 +3,7 @@ prefix and themselves, anchors / labels / weights, packed passes equal one pass 
 import pytest
 import torch
 
-from ddtree.testing import random_pair, random_target
+from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.model import (block_inputs, default_gamma, drafter_block_hidden, loss_weights, sample_anchors,
                                 target_features, target_features_packed, visibility_mask)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ddtree.api import Pair
-from ddtree.drafter import DFlashDrafter, untrained_drafter
-from ddtree.testing import add_markov_head, random_target
+from ddtree.models.drafter import DFlashDrafter, untrained_drafter
+from ddtree.bench.testing import add_markov_head, random_target
 from ddtree.train.data import read_sequences
 from ddtree.train.model import sample_anchors, target_features
 from ddtree.train.trainer import Trainer, drafter_from_checkpoint, resume_config
@@ -324,7 +324,7 @@ def test_a_crafted_checkpoint_runs_nothing(tmp_path, how, capsys):
     code is refused with a ConfigError that says so, and the code never runs (no marker file)."""
     import pickle
 
-    from ddtree.config import ConfigError
+    from ddtree.base.config import ConfigError
     from ddtree.train.cli import main
 
     marker, path = tmp_path / "marker", tmp_path / "run" / "checkpoint.pt"
@@ -346,7 +346,7 @@ def test_an_old_pickled_checkpoint_is_refused_with_the_fix(tmp_path):
     """A checkpoint of the old format (numpy's RNG state pickled) is not unpickled: the error names the fix."""
     import numpy as np
 
-    from ddtree.config import ConfigError
+    from ddtree.base.config import ConfigError
 
     path = tmp_path / "checkpoint.pt"
     torch.save({"drafter": {}, "drafter_config": {}, "step": 1, "config": {},

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.tree import DraftTree, ancestor_matrix, best_first_nodes, best_first_tree, chain_parents, walk
+from ddtree.engine.tree import DraftTree, ancestor_matrix, best_first_nodes, best_first_tree, chain_parents, walk
 
 
 def brute_force_best(logprobs: torch.Tensor, budget: int) -> float:
@@ -102,7 +102,7 @@ def test_walk_follows_matching_children():
 def test_host_walk_equals_the_tensor_walk_on_random_trees():
     """walk() on CPU choices runs a host loop; on a GPU, tensor ops (_walk_device). Both must take the same path:
     random best-first-shaped trees, choices that match many nodes, duplicate tokens among siblings included."""
-    from ddtree.tree import _walk_device
+    from ddtree.engine.tree import _walk_device
 
     gen = torch.Generator().manual_seed(0)
     for n in (2, 3, 5, 9, 17, 40):
@@ -145,7 +145,7 @@ def full_topk_scores(logprobs: torch.Tensor, budget: int) -> list[float]:
 def test_lazy_ranks_give_the_full_topk_tree(case, budget):
     """Reading only the first ranks of each depth (and the rest of a row when the heap gets there) picks trees
     as good as a full top-k over a 49K vocabulary: the same path scores, a valid tree, no duplicate paths."""
-    from ddtree.tree import FIRST_RANKS, best_first_nodes
+    from ddtree.engine.tree import FIRST_RANKS, best_first_nodes
 
     gen = torch.Generator().manual_seed(budget)
     depth, vocab = 15, 49152
@@ -174,7 +174,7 @@ def test_lazy_ranks_give_the_full_topk_tree(case, budget):
 
 
 def test_lazy_ranks_refetch_keeps_the_ranks_already_used():
-    from ddtree.tree import FIRST_RANKS, _Ranks
+    from ddtree.engine.tree import FIRST_RANKS, _Ranks
 
     lp = torch.zeros(2, 1000)  # all tied: any order is a valid ranking, the refetch may order them differently
     ranks = _Ranks(lp, k=100)
@@ -188,7 +188,7 @@ def test_lazy_ranks_refetch_keeps_the_ranks_already_used():
 def test_walk_drawn_visits_only_the_path_and_agrees_with_walk():
     """At T > 0 the walk draws the target's choice only where it looks; given the same choices it takes the
     same path and emits the same tokens as the walk over all nodes."""
-    from ddtree.tree import walk_drawn
+    from ddtree.engine.tree import walk_drawn
 
     tree, anc = make_tree([-1, 0, 0, 1, 2], [5, 7, 8, 9, 3])
     for choices in ([8, 0, 3, 0, 6], [1, 9, 3, 0, 0], [7, 1, 3, 0, 0], [7, 9, 0, 4, 0]):
@@ -204,7 +204,7 @@ def test_walk_drawn_visits_only_the_path_and_agrees_with_walk():
 
 # --- the same functions in the CPU kernel (kernels/tree.cpp), as the engine runs them on a CPU runtime -------------
 def _kernel():
-    from ddtree.cpu import qlinear
+    from ddtree.runtime.cpu import qlinear
 
     return qlinear.kernel()
 

@@ -27,10 +27,10 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from ..attention import Visibility
-from ..config import SamplingParams
-from ..kv_cache import KVCache
-from ..sampling import choose
+from ..models.attention import Visibility
+from ..base.config import SamplingParams
+from ..models.kv_cache import KVCache
+from ..engine.sampling import choose
 
 
 @dataclass

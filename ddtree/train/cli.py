@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 from ..api import load
-from ..cache import replacing_dir
-from ..config import ConfigError, cli_int
-from ..datasets import load_prompts
-from ..drafter import DFlashDrafter, untrained_drafter
-from ..markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
-from ..files import output_dir, read_jsonl
-from ..loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
+from ..base.cache import replacing_dir
+from ..base.config import ConfigError, cli_int
+from ..bench.datasets import load_prompts
+from ..models.drafter import DFlashDrafter, untrained_drafter
+from ..models.markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
+from ..base.files import output_dir, read_jsonl
+from ..models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                        resolve_target_dir, stop_token_ids)
-from ..cpu.qlinear import po2_q8
+from ..runtime.cpu.qlinear import po2_q8
 from .card import model_card
 from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
 from .grow import grow_drafter, layers_from_target

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
-from ..files import read_jsonl
+from ..base.config import ConfigError
+from ..base.files import read_jsonl
 from .batched import Answer, BatchedDecoder, Job
 from .prompts import Prompt
 

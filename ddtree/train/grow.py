@@ -19,8 +19,8 @@ from dataclasses import replace
 
 import torch
 
-from ..config import ConfigError
-from ..drafter import DFlashDrafter
+from ..base.config import ConfigError
+from ..models.drafter import DFlashDrafter
 
 
 def grow_drafter(drafter: DFlashDrafter, layers: int | None = None, taps: list[int] | None = None,

@@ -1,4 +1,4 @@
-"""Training a Markov head (ddtree/markov.py) on a FROZEN drafter, from cached draft tables.
+"""Training a Markov head (ddtree/models/markov.py) on a FROZEN drafter, from cached draft tables.
 
 The head only reads each block position's top-M candidates (log-probs, draft ids), the parent token and the
 true token, so one drafter pass per answer (`probe.block_drafts`: one target pass + one whole-block training
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import ConfigError
-from ..markov import MarkovHead, conditional_logprobs, row_log_likelihood
+from ..base.config import ConfigError
+from ..models.markov import MarkovHead, conditional_logprobs, row_log_likelihood
 from .probe import anchor_tables, block_drafts
 
 TABLE_GLOB = "tables_*.npz"

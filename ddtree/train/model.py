@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import Visibility
-from ..markov import row_log_likelihood
+from ..models.attention import Visibility
+from ..models.markov import row_log_likelihood
 from .fused_ce import head_acceptance_loss, head_soft_cross_entropy, merge_duplicate_ids
 
 
@@ -181,7 +181,7 @@ class DraftLoss(nn.Module):
     target's) and targets outside the draft vocabulary carry no weight (a label outside it counts as a miss in
     the accuracy).
 
-    markov_weight > 0 (a drafter with a Markov head, ddtree/markov.py) adds that weight times the head's
+    markov_weight > 0 (a drafter with a Markov head, ddtree/models/markov.py) adds that weight times the head's
     teacher-forced NLL, -log cond(label | the true previous token), at block positions 2..B-1 (position 1 has no
     bias), with the same position weights: the drafter and its head trained together, each block position's
     candidates taken from the drafter's live log-probs as markov-fit takes them from its tables."""

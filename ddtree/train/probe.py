@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..markov import (SMALL_TREE_CANDIDATES, MarkovHead, candidate_count, conditional_best_first,
+from ..models.markov import (SMALL_TREE_CANDIDATES, MarkovHead, candidate_count, conditional_best_first,
                       conditional_logprobs, head_tree_nodes)
-from ..tree import best_first_nodes
+from ..engine.tree import best_first_nodes
 from .model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
 
 

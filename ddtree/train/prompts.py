@@ -35,7 +35,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..datasets import gsm
+from ..bench.datasets import gsm
 
 SOURCES = ("codeio", "math", "chat", "stdlib", "sharegpt", "writing", "complete")
 DEFAULT_MIX = {"codeio": 0.35, "math": 0.2, "chat": 0.2, "stdlib": 0.25}  # the 2025 shipped drafter's mix

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..api import Pair
-from ..config import ConfigError
-from ..drafter import DFlashDrafter, DrafterConfig
+from ..base.config import ConfigError
+from ..models.drafter import DFlashDrafter, DrafterConfig
 from .data import Sequence
 from .model import DraftLoss, sample_anchors, target_features_packed
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from ..drafter import DFlashDrafter
+from ..models.drafter import DFlashDrafter
 from .data import Sequence
 
 

@@ -1,0 +1,430 @@
+"""One decoding loop for every method. A method only decides what to propose each step (a lone root, a
+chain, or a tree); verifying (one target pass), walking and committing are shared. The loop knows no method
+by name: it calls method.prepare() once, then propose() and observe() each step.
+
+    prefill prompt -> bonus
+    loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
+          logits = target(tree, tree mask)     # ONE pass over the N nodes
+          path, bonus = walk(tree, choose(logits))
+          commit path's K/V (+ queue the drafter's context: its tap features); emit path tokens + bonus,
+          cut after the first token that ends the generation (an EOS / stop token, a stop string: stops.py)
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from ..models.attention import Visibility
+from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
+from ..base.config import ConfigError, SamplingParams, check_int
+from .cost_cache import verify_costs
+from ..models.markov import head_chain_ids, head_tree_nodes
+from .method_spec import MethodSpec, check_budget
+from .sampling import argmax, choose
+from .stats import GenerationStats, StageTimer
+from .stops import Stops
+from .traces import step_record
+from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
+
+AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
+
+
+def host_kernel(model):
+    """The compiled CPU kernel of the runtime `model` runs in (cpu/runtime.py: CPUTarget, CPUDrafter), or None."""
+    return getattr(model, "kernel", None)
+
+
+def tree_nodes(drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int):
+    """A draft's best-first nodes (tree.best_first_nodes' contract, the draft ids as a LongTensor [n] on the
+    logprobs' device): from the drafter's per-position marginals, through its CPU runtime's kernel where it has
+    one (kernels/tree.cpp: the same nodes in one call), or, when it has a Markov head (ddtree/models/markov.py), from
+    each node's own conditional."""
+    kernel = host_kernel(drafter)
+    if drafter.markov is not None:
+        return head_tree_nodes(drafter, logprobs, bonus, budget, kernel)
+    if kernel is not None and logprobs.device.type == "cpu" and logprobs.dtype == torch.float32:
+        parents, depths, ids, scores = kernel.best_first_tree(logprobs.contiguous(), budget)
+        return parents.numpy(), depths.numpy(), ids, scores.numpy()
+    parents, depths, ids, scores = best_first_nodes(logprobs, budget)
+    return parents, depths, torch.tensor(ids, dtype=torch.long, device=logprobs.device), scores
+
+
+def tree_tokens(drafter, bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A tree's tokens [n + 1] in the target's vocabulary: the root `bonus` [1], then the draft ids [n] (the draft
+    vocabulary's; DFlashDrafter.to_target_ids), in one kernel call on a CPU runtime."""
+    if (kernel := host_kernel(drafter)) is not None and ids.device.type == "cpu":
+        return kernel.tree_tokens(int(bonus), ids.contiguous(), drafter.d2t if drafter.cfg.reduced_vocab else None)
+    return torch.cat([bonus, drafter.to_target_ids(ids)])
+
+
+def chain_ids(drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """A linear draft's draft ids: each position's argmax, or with a Markov head, given the token before it."""
+    return argmax(logits) if drafter.markov is None else head_chain_ids(drafter, logits, bonus, host_kernel(drafter))
+
+
+class Method:
+    """What one method decides: the tree each step verifies. A method is self-contained: whatever it learns
+    across steps and prompts (the adaptive budget's cost model and trust in the drafter) is its own state; the
+    loop only calls prepare() once per generation, then propose() and observe() each step."""
+    block_size: int | None = None
+
+    def __init__(self, spec: MethodSpec):
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.spec.info.uses_drafter  # the method registry's (method_spec.METHODS)
+
+    def max_nodes(self) -> int:
+        """Largest tree (root included) this method verifies in one pass."""
+        raise NotImplementedError
+
+    def longest_draft(self) -> int | None:
+        """The most positions one draft pass covers (the stats' block_size)."""
+        return self.block_size
+
+    def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
+        """Before each generation, outside its timing: load or measure what the method needs (once), and
+        start a new prompt decoded with `sampling` (None: greedy)."""
+
+    def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
+        """The tree to verify, rooted at `bonus` [1]. The one place that decides a plain step (the root alone,
+        exactly plain decoding): when no draft of >= 1 token fits the `room` left, or the method declines."""
+        length = min(self.block_size or 1, room)
+        if length < 2 or not self.wants_draft():
+            return DraftTree(bonus, *chain_parents(1))
+        return self.draft(drafter, dcache, bonus, length, room, timer)
+
+    def wants_draft(self) -> bool:
+        return self.uses_drafter
+
+    def draft(self, drafter, dcache, bonus: torch.Tensor, length: int, room: int, timer) -> DraftTree:
+        """A drafted tree over block positions 1..length-1 (length >= 2), at most `room` nodes."""
+        raise NotImplementedError
+
+    def observe(self, accepted: int) -> None:
+        """Feedback after each verify: `accepted` draft tokens (bonus excluded)."""
+
+
+class AR(Method):
+    """Plain autoregressive decoding: the tree is the root alone."""
+
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "AR":
+        return cls(spec)
+
+    def max_nodes(self) -> int:
+        return 1
+
+
+class DFlash(Method):
+    """Linear DFlash: the drafter's argmax at each block position, verified as a chain."""
+
+    def __init__(self, spec: MethodSpec, block_size: int):
+        super().__init__(spec)
+        self.block_size = block_size
+
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DFlash":
+        return cls(spec, check_block_size(block_size, drafter.block_size))
+
+    def max_nodes(self) -> int:
+        return self.block_size
+
+    def draft(self, drafter, dcache, bonus, length, room, timer):
+        with timer("draft"):
+            logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
+        with timer("tree_build"):
+            ids = chain_ids(drafter, logits, bonus)  # [length - 1] in the draft vocabulary
+            return DraftTree(tree_tokens(drafter, bonus, ids), *chain_parents(length), draft_logits=logits,
+                             draft_ids=ids)
+
+
+class DDTree(Method):
+    """DDTree: the best `budget` nodes of the drafter's per-position distributions, as one tree.
+
+    A tree of `budget` nodes is at most `budget` deep, so the drafter drafts min(block_size, budget + 1) positions:
+    the ones past that could only shape the others through the block's non-causal attention, which moved tau by
+    about a percent with the shipped drafter while a shorter draft pass costs less on a CPU (docs/cpu-speed.md).
+    From budget 7 on the whole block is drafted."""
+
+    def __init__(self, spec: MethodSpec, budget: int, block_size: int):
+        super().__init__(spec)
+        self.budget, self.block_size = budget, min(block_size, budget + 1)
+
+    @classmethod
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DDTree":
+        """A fixed budget, or (spec.budget 'auto') the adaptive one, AdaptiveDDTree."""
+        block_size = check_block_size(block_size, drafter.block_size)
+        context = drafter.target.cfg.max_position_embeddings
+        if spec.adaptive:
+            return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size)
+        if spec.budget > context - 1:
+            raise ConfigError(f"budget {spec.budget} cannot help: a tree of {spec.budget} draft nodes and its root "
+                              f"must fit the target's context of {context} positions; use at most {context - 1}")
+        return cls(spec, spec.budget, block_size)
+
+    def max_nodes(self) -> int:
+        return self.budget + 1
+
+    def draft(self, drafter, dcache, bonus, length, room, timer):
+        with timer("draft"):
+            logits = drafter.draft(dcache, bonus, length)
+        with timer("tree_build"):
+            parents, depths, ids, scores = tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
+                                                      min(self.budget, room - 1))
+            b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
+            ids = ids[:b]  # [b] in the draft vocabulary
+            return DraftTree(tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], draft_logits=logits,
+                             draft_ids=ids)
+
+    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
+        """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
+        return len(path_logprobs)
+
+
+class AdaptiveDDTree(DDTree):
+    """budget="auto": each step keeps the first b* best-first nodes, b* maximizing expected tokens per second
+    under a verify-cost curve measured once per machine (cached on disk, ddtree/engine/cost_cache.py). Its trust in
+    the drafter (EdgeCalibration) and whether drafting pays at all (DraftGate) are learned across the steps
+    and prompts this object decodes; while drafting loses, steps are plain ones (see DraftGate).
+
+    It drafts only as deep as its trees go: each draft covers one position more than the deepest tree kept in
+    the last DEPTH_MEMORY drafted steps (at most the block), so a run of shallow trees (a CPU, where b* is
+    often 1-4) stops paying for the block's unused positions, and a confident run deepens it by one per step.
+
+    What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
+    is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
+    greedy one (and back) until relearned."""
+    DEPTH_MEMORY = 4
+
+    def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
+        super().__init__(spec, max_budget, block_size)
+        self.max_length = self.block_size
+        self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
+        self._last = None  # (path log-probs, depths) of the nodes verified in the current step
+        self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, depths, draft length)
+        self._regime = SamplingParams()  # greedy until prepare() says otherwise
+        self.calibration, self.gate, self._depths, self.block_size = self._fresh()
+
+    def _fresh(self) -> tuple:
+        """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
+        recent tree depths and the next draft's length."""
+        return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length
+
+    def _enter(self, sampling: SamplingParams) -> None:
+        """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
+        self._regimes[self._regime] = (self.calibration, self.gate, self._depths, self.block_size)
+        self.calibration, self.gate, self._depths, self.block_size = self._regimes.get(sampling) or self._fresh()
+        self._regime = sampling
+
+    def longest_draft(self) -> int:
+        return self.max_length
+
+    def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
+        self._enter(SamplingParams() if sampling is None or sampling.greedy else sampling)
+        if self.cost is None:
+            self.cost = verify_costs(target, drafter, self.max_length, self.max_nodes())
+            # a tree the calibration stopped short of costs more than a fully accepted block can repay
+            self.budget = max(1, min(self.budget, self.cost.sizes[-1] - 1))
+        self.gate.restart()
+
+    def wants_draft(self) -> bool:
+        return self.gate.draft_now(self.cost)
+
+    def keep(self, path_logprobs, depths):
+        b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c, self.block_size)
+        self._last = (path_logprobs[:b], depths[:b])
+        return b
+
+    def observe(self, accepted: int) -> None:
+        if self._last is None:  # a plain step
+            return
+        logp, depths = self._last
+        self.calibration.update(logp, depths, accepted)
+        self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]), self.block_size)[0]))
+        self._depths.append(int(depths.max()))
+        self.block_size = min(self.max_length, max(self._depths) + 2)  # the next draft's positions
+        self._last = None
+
+
+def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None,
+                drafter=None) -> Method:
+    """A Method for `method` (a MethodSpec or its text: 'ar', 'dflash', 'ddtree', 'ddtree:32', 'ddtree:auto';
+    a bare 'ddtree' takes `budget`), made by its strategy in the method registry (method_spec.METHODS). Budgets
+    and block sizes that cannot help are refused here, once."""
+    spec = MethodSpec.parse(method, budget)
+    info = spec.info
+    if info.peer:
+        raise ConfigError(f"method {spec.label!r} is {info.summary}: another program, not the decoding loop; use "
+                          "ar, dflash or ddtree here")
+    if info.uses_drafter and drafter is None:
+        raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
+    return info.load().make(spec, drafter, block_size)
+
+
+def check_block_size(block_size, drafter_block: int) -> int:
+    """None: the drafter's own block. Otherwise 2..drafter_block: the drafter was trained to fill its block,
+    a longer one asks it for positions it never learned."""
+    if block_size is None:
+        return drafter_block
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= drafter_block:
+        raise ConfigError(f"block_size must be >= 2 and at most the drafter's block ({drafter_block}), an integer; got "
+                          f"{block_size!r}. Leave it unset to use the drafter's block")
+    return block_size
+
+
+class Decoder:
+    """Runs one method over a target (and drafter) for one prompt at a time (batch size 1)."""
+
+    def __init__(self, target, drafter=None, sync_stages: bool = False):
+        self.target, self.drafter = target, drafter
+        self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
+        self.kernel = host_kernel(target)  # a CPU runtime's kernel: the step's compile and greedy walk in C++
+
+    def compile(self, tree: DraftTree, start: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The verify pass's inputs beside the tokens: the visibility among the tree's nodes (bool [N, N]; None for a
+        lone root) and their positions [N] after `start` cached ones, in one kernel call on a CPU runtime."""
+        if self.kernel is not None:
+            ancestors, positions = self.kernel.tree_visibility(tree.parents, tree.depths, start)
+            return (ancestors if tree.size > 1 else None), positions
+        device = self.target.device
+        ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device) if tree.size > 1 else None
+        return ancestors, torch.from_numpy(tree.depths).to(device) + start
+
+    def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
+        """The target's choices and the walk: greedy, all nodes at once (one tensor op, or on a CPU runtime one kernel
+        call for the argmax and the walk: kernels/tree.cpp's greedy_walk); sampled, or with
+        RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (on a CPU processing a
+        whole-vocabulary distribution, and an LM-head row, cost real time per node). logits: [N, V] or RowLogits.
+        Tests override this to plant a biased rule."""
+        if sampling.greedy and isinstance(logits, torch.Tensor):
+            if self.kernel is not None and logits.dtype == torch.float32:
+                return self.kernel.greedy_walk(logits.contiguous(), tree.parents, tree.tokens)  # argmax + walk
+            return walk(tree, ancestors, choose(logits, sampling, generator))
+        return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
+
+    def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed) -> None:
+        cfg = self.target.cfg
+        check_int("max_new_tokens", max_new_tokens, 1)
+        if seed is not None:
+            check_int("seed", seed)
+            if not -2**63 <= seed < 2**64:
+                raise ConfigError(f"seed {seed} does not fit in 64 bits: use one in 0..2**64 - 1")
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty: give at least one token")
+        if len(prompt_ids) > cfg.max_position_embeddings:
+            raise ConfigError(f"the prompt has {len(prompt_ids)} tokens, more than the target's context limit of "
+                              f"{cfg.max_position_embeddings}; shorten it")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})")
+        if method.uses_drafter and self.drafter is None:
+            raise ConfigError(f"method {method.name!r} needs a drafter")
+        check_budget(method.spec.budget, self.target.device)
+        self.target.check_fresh()
+        if method.uses_drafter:
+            self.drafter.check_fresh()
+
+    def generate(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
+                 max_new_tokens: int = 256, stops=(), seed: int | None = None,
+                 trace: list | None = None) -> tuple[list[int], GenerationStats]:
+        """Decode to the end: (tokens, stats). See steps()."""
+        steps = self.steps(prompt_ids, method, sampling, max_new_tokens, stops, seed, trace)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, prompt_ids: list[int], method: Method, sampling: SamplingParams = SamplingParams(),
+              max_new_tokens: int = 256, stops=(), seed: int | None = None, trace: list | None = None):
+        """A generator that yields each step's committed tokens as they are committed (the prefill's one
+        first) and returns (tokens, stats). stops: a stops.Stops, or the stop token ids alone (their reason: "eos").
+        trace: a list to append one record per decoding step to (the tree, the target's choices, the
+        accepted path; see traces.py), or None. The time the consumer spends between yields is not counted.
+        Bad input is refused here, before the first step."""
+        self._validate(prompt_ids, method, max_new_tokens, seed)
+        stops = stops if isinstance(stops, Stops) else Stops(eos=stops)
+        return self._steps(prompt_ids, method, sampling, max_new_tokens, stops, seed, trace)
+
+    def _steps(self, prompt_ids, method, sampling, max_new_tokens, stops, seed, trace):
+        target, drafter, cfg = self.target, self.drafter, self.target.cfg
+        method.prepare(target, drafter, sampling)
+        device = target.device
+        generator = None
+        if not sampling.greedy and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        m = len(prompt_ids)
+        capacity = min(cfg.max_position_embeddings, m + max_new_tokens + method.max_nodes())
+        tcache = target.new_cache(capacity)
+        dcache = drafter.new_cache(capacity) if method.uses_drafter else None
+        taps = tuple(drafter.cfg.target_layer_ids) if method.uses_drafter else ()
+        stats = GenerationStats(method.name, method.spec.budget, method.longest_draft(), m,
+                                attention_backend=target.attention_backend,
+                                backend=target.backend,
+                                drafter=drafter.label if method.uses_drafter else "")
+        timer = StageTimer(device, self.sync_stages)
+        t0 = time.perf_counter()
+
+        with timer("prefill"):
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+            out = target(ids, torch.arange(m, device=device), tcache, Visibility.causal(0, m, device), taps,
+                         last_only=True)
+            tcache.commit(m)
+            emitted = [int(choose(out.logits, sampling, generator)[0])]
+            if dcache is not None:
+                drafter.add_context(dcache, out.taps)
+        stats.time_to_first_token = time.perf_counter() - t0
+        tokens = []
+
+        while True:
+            # commit the step's tokens (the accepted drafts and the bonus), cut after the token that ends the
+            # generation (stops.cut: token by token, as plain decoding would) or at max_new_tokens
+            kept = emitted[:stops.cut(emitted[:max_new_tokens - len(tokens)])]
+            tokens.extend(kept)
+            paused = time.perf_counter()
+            yield kept
+            t0 += time.perf_counter() - paused
+            if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
+                break
+            start = tcache.length
+            tree = method.propose(drafter, dcache, torch.tensor(tokens[-1:], device=device), tcache.room, timer)
+            with timer("tree_compile"):
+                ancestors, positions = self.compile(tree, start)
+                vis = Visibility(start, ancestors)
+            with timer("verify"):
+                lazy = {"row_logits": True} if target.lazy_logits(tree.size) else {}
+                out = target(tree.tokens, positions, tcache, vis, taps, **lazy)
+                path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
+            with timer("commit"):
+                n = len(path)
+                rows = None if path[-1] == n - 1 else torch.tensor(path, device=device)  # a prefix needs no move
+                tcache.commit(n, rows)
+                if dcache is not None:
+                    drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
+            method.observe(n - 1)
+            if trace is not None:
+                trace.append(step_record(tree, choices, path))
+            stats.acceptance_lengths.append(n)
+            stats.tree_sizes.append(tree.size)
+            emitted = [choices[i] for i in path]
+
+        stats.stop_reason, stats.stop_match = stop_reason, stops.match
+        stats.seconds = time.perf_counter() - t0
+        stats.new_tokens = len(tokens)
+        stats.stage_seconds = dict(timer.seconds)
+        return tokens, stats
+
+
+def _limit_reason(new_tokens: int, max_new_tokens: int, room: int) -> str:
+    if new_tokens >= max_new_tokens:
+        return "max_new_tokens"
+    return "context_limit" if room < 1 else ""

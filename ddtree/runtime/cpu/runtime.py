@@ -1,0 +1,407 @@
+"""The CPU runtime: a loaded target and drafter on a float32 CPU, with every fast path chosen once at load.
+
+The model files (ddtree/models/target.py, drafter.py, layers.py) are the readable pure-torch reference. CPUTarget and
+CPUDrafter wrap them and own everything CPU-specific: the C++ layer stacks (stack.py), the packed / bf16 / 8-bit
+copies of the weights, the exact GGUF blocks (exact_blocks.py), the quantized target (quant_target.py), the
+heads' 1-row transposes, the row and thread thresholds, and the guard that re-makes the copies when the weights
+change (weights_watch.py). A pass the runtime has no fast path for (a long prefill, a windowed drafter layer)
+runs the reference's own code. Every attribute a wrapper does not define is its reference model's, so
+`pair.target.model.layers`, `pair.drafter.save(...)` and training reach the model itself.
+
+The fast paths are held bit-equal to the reference arithmetic by tests (tests/test_cpu_stack.py and the
+lossless tests): the stack sums every output in the row kernel's one order, whatever the number of rows.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...base.config import ConfigError
+from ...models.fused import FusedLinear
+from ...base.knobs import env_flag
+from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
+from ...models.protocol import RowLogits, TargetOutput
+from ...models.target import TargetModel
+from ...models.wrapping import RuntimeWrapper
+from . import exact_blocks, qlinear, stack
+from .quant_target import int8_activations, quantize_target
+from .weights_watch import STALE, WeightsWatch
+
+# float32, one thread: from this many verified nodes, RowLogits (only the rows a walk reads) beat all rows at once
+ROW_LOGITS_MIN_ROWS = 12
+# An int8-activation head (quant='gguf-int8') streams its weight once for all rows, and a row beyond the first is
+# integer arithmetic on weights already in registers (cheaper with VNNI's dpbusd than with AVX2's maddubs): up to
+# this many rows, all at once cost less than the ~2 one-row passes of a walk reading lazily (measured in
+# docs/cpu-speed.md), keyed by the kernel's VNNI
+INT8_HEAD_ALL_ROWS = {True: 16, False: 6}
+# The LM head's 1-row transpose costs its memory again: kept for float32 models up to this many parameters.
+TRANSPOSED_MAX_PARAMS = 2_000_000_000
+
+
+def applies(model) -> bool:
+    """Does the CPU runtime run this model? The own-code reference target in float32 on a CPU."""
+    return isinstance(model, TargetModel) and model.device.type == "cpu" and model.dtype == torch.float32
+
+
+class Linear:
+    """A linear layer's CPU implementation for inference, chosen once from what its weight allows:
+
+    - exact GGUF blocks (`blocks`, same bits, fewer bytes) for passes of up to `block_rows` rows;
+    - a compact copy (qlinear 8-bit blocks or bf16, where the weight's values all are such: stack.compact_copy);
+    - a quantized weight's own kernel (qlinear.QWeight);
+    - one row on one thread: x @ a contiguous transpose [in, out], which torch's GEMV streams faster than
+      F.linear's [out, in] (on more threads the row kernel splits the rows over them, and torch's GEMV does not);
+    - 2..stack.MAX_ROWS rows (and 1 row where a transpose is kept): the row-invariant kernel;
+    - else torch's F.linear."""
+
+    def __init__(self, weight, kernel, blocks: qlinear.QWeight | None = None, block_rows: int = 0,
+                 compact: bool = False, transposed: bool = False, bias: torch.Tensor | None = None,
+                 int8: bool = False):
+        self.weight, self.kernel, self.blocks, self.block_rows, self.bias = weight, kernel, blocks, block_rows, bias
+        is_f32 = isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        # int8: a compact 8-bit copy runs with int8 activations (a quant='gguf-int8' target's drafter)
+        self.compact = stack.compact_copy(weight, int8) if compact and kernel is not None and is_f32 else None
+        self.transposed = weight.detach().t().contiguous() if transposed and is_f32 else None
+        self.skinny = (kernel is not None and is_f32 and weight.dim() == 2 and weight.shape[1] % 64 == 0
+                       and weight.is_contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> [N, out]."""
+        rows, weight = x.shape[0], self.weight
+        grad = torch.is_grad_enabled() and x.requires_grad
+        if self.blocks is not None and x.dim() == 2 and rows <= self.block_rows and not grad:
+            y = self.blocks.matmul(x.contiguous())
+        elif self.compact is not None and x.dim() == 2 and not grad:
+            y = stack.compact_linear(x, self.compact)
+        elif not isinstance(weight, torch.Tensor):
+            y = weight.matmul(x)
+        elif self.transposed is not None and rows == 1 and torch.get_num_threads() == 1:
+            y = x @ self.transposed
+        elif (self.skinny and (rows > 1 or self.transposed is not None) and rows <= stack.MAX_ROWS and x.dim() == 2
+              and x.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            y = self.kernel.f32_linear(x.contiguous(), weight)
+        else:
+            return F.linear(x, weight, self.bias)
+        return y if self.bias is None else y + self.bias
+
+
+class CPUTarget(RuntimeWrapper):
+    """The reference TargetModel (`reference`) with its CPU fast paths (protocol.Target): all layers in one C++ call
+    for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given."""
+
+    _OWN = frozenset({"reference", "quant", "kernel", "blocks", "stack", "head", "watch"})
+
+    def __init__(self, reference, cpu_kernel: str = "auto", quant: str | None = None, blocks=None):
+        own = object.__setattr__
+        own(self, "reference", reference)
+        own(self, "quant", quant)  # e.g. "gguf Q4_1/Q8_0": the layers run on the GGUF's blocks (quant_target.py)
+        own(self, "kernel", qlinear.kernel(cpu_kernel) if qlinear.cpu_kernel_available(cpu_kernel) else None)
+        own(self, "blocks", blocks)  # exact_blocks.ExactBlocks or None
+        self._build()
+
+    @property
+    def int8(self) -> bool:
+        """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
+        return int8_activations(self.quant)
+
+    @torch.inference_mode(False)  # copies made during a pass (_follow_weights) stay ordinary tensors
+    def _build(self) -> None:
+        """The stack, the head and the guard, from the reference's current weights."""
+        ref, kernel = self.reference, self.kernel
+        layer_blocks = self.blocks.layers if self.blocks is not None else None
+        self.stack = stack.build(ref.cfg, ref.model.layers, layer_blocks, kernel) if kernel and ref.fused else None
+        if self.stack is None:
+            self.blocks = None  # they serve the stack and the head's narrow passes alongside it
+        head_blocks = self.blocks.head if self.blocks is not None else None
+        # the separate-projection layout (fuse(False)) is the reference's: no copies of the weights for it
+        small = ref.fused and sum(p.numel() for p in ref.parameters()) <= TRANSPOSED_MAX_PARAMS
+        self.head = Linear(ref.lm_head.weight, kernel, head_blocks, qlinear.head_max_rows(kernel),
+                           compact=self.stack is not None, transposed=head_blocks is None and small)
+        # what the copies are of, and whether the model can take a fast path now (fuse() after fuse(False)); a
+        # quantized target's float weights are gone: nothing of theirs is copied
+        self.watch = WeightsWatch(ref.parameters) if not self.quant else None
+
+    def __repr__(self) -> str:
+        return f"CPUTarget({self.describe()}, {self.reference!r})"
+
+    # --- protocol.Target --------------------------------------------------------------------------------
+    @property
+    def cfg(self):
+        return self.reference.cfg
+
+    @property
+    def backend(self) -> str:
+        return self.reference.backend
+
+    @property
+    def attention_backend(self) -> str:
+        return self.reference.attention_backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.reference.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.reference.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.reference.embed(tokens)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return self.reference.new_cache(capacity)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        return self.head(hidden)
+
+    @torch.inference_mode()
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis,
+                 tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
+        """TargetModel.forward, through the stack where it takes the pass."""
+        self._follow_weights()
+        ref = self.reference
+        if stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):  # all layers in one C++ call
+            h = ref.embed(tokens)  # [N, H]
+            cos, sin = ref.rotary(positions, h.dtype)
+            h, features = self.stack.forward(h, cos, sin, cache.k, cache.v, cache.length, vis.ancestors,
+                                             list(tap_layers))
+            norm = ref.model.norm
+            hidden = self.kernel.rms_norm(h[-1:] if last_only else h, norm.weight, norm.eps)
+            features = features if tap_layers else None
+        else:
+            hidden, features = ref.hidden_states(tokens, positions, cache, vis, tap_layers, last_only)
+        return TargetOutput(RowLogits(self, hidden) if row_logits else self.logits(hidden), features)
+
+    forward = __call__
+
+    def lazy_logits(self, rows: int) -> bool:
+        """Should a verify of `rows` nodes return RowLogits? A walk reads about tau rows, each a 1-row head pass
+        that streams the [V, H] head, where all rows at once take the row kernel in one pass over it. On two threads
+        the kernel splits the head while torch's 1-row GEMV does not, so all rows at once win; on one thread lazy
+        rows win from ROW_LOGITS_MIN_ROWS nodes (docs/cpu-speed.md). A quantized head with float activations
+        (compute-bound at several rows) always reads lazily; one with int8 activations above INT8_HEAD_ALL_ROWS
+        rows. A head with exact blocks takes them for up to head_max_rows() rows at once, so it reads rows lazily
+        only above that."""
+        head = self.head
+        if not self.row_logits or rows < 2:
+            return False
+        if head.blocks is not None:
+            return rows > head.block_rows
+        if isinstance(head.weight, qlinear.QWeight) and head.weight.int8:
+            return rows > INT8_HEAD_ALL_ROWS[bool(self.kernel.int8_vnni)]
+        return self.quant is not None or (rows >= ROW_LOGITS_MIN_ROWS and torch.get_num_threads() == 1)
+
+    @property
+    def row_logits(self) -> bool:
+        """Can a pass return RowLogits worth it? Where the 1-row LM head is fast: a transposed float32 head, exact
+        blocks, or a quantized head."""
+        head = self.head
+        return head.transposed is not None or head.blocks is not None or not isinstance(head.weight, torch.Tensor)
+
+    def describe(self) -> dict:
+        """The fast paths that set its passes' cost: the quantization it runs, the C++ layers on this kernel
+        build, the exact GGUF blocks (the verify-cost curve's key; protocol.Target)."""
+        out = {}
+        if self.quant:
+            out["quant"] = self.quant
+        if self.stack is not None:
+            out.update(cpu_layers=True, cpu_kernel=self.kernel.isa)
+        if self.blocks is not None:
+            out["exact_blocks"] = True
+        return out
+
+    # --- the copies of the weights ----------------------------------------------------------------------
+    def _follow_weights(self) -> None:
+        """The stack and the head hold copies of the weights. A weight changed in place since (a test's surgery,
+        load_state_dict) would leave 1-row and many-row passes on different values, and the method's tokens no
+        longer plain decoding's: re-make the copies then (WeightsWatch: one C++ loop over the parameters)."""
+        if self.watch is not None and self.watch.changed():
+            self.blocks = None  # they were these weights' values, not the new ones'
+            self._build()
+
+    def refresh(self) -> "CPUTarget":
+        """Re-make the copies of the weights (the exact GGUF blocks are dropped) from their current values. Needed
+        only after writes torch does not count: `p.data[...] = x`, `p.data.mul_()`, or a numpy view's elements.
+        In-place torch ops, load_state_dict and assigning parameters are followed on every pass without it."""
+        if self.watch is not None:
+            self.blocks = None
+            self._build()
+        return self
+
+    def check_fresh(self) -> None:
+        """A ConfigError where the weights' values were written behind torch's back since their copies were made
+        (WeightsWatch.stale): decoding would mix the old and the new model."""
+        if self.watch is not None and not self.watch.changed() and self.watch.stale():
+            raise ConfigError(STALE)
+
+
+class CPUDrafter(RuntimeWrapper):
+    """The reference DFlashDrafter (`reference`, bound to a CPUTarget) with its CPU fast paths: the draft layers
+    and the context pass as one C++ call each, and a reduced head through Linear."""
+
+    _OWN = frozenset({"reference", "kernel", "int8", "stack", "context", "head", "watch"})
+
+    def __init__(self, reference, kernel, int8: bool = False):
+        object.__setattr__(self, "reference", reference)
+        object.__setattr__(self, "kernel", kernel)  # the compiled extension, or None (torch's matmuls)
+        # its 8-bit copies with int8 activations: the drafter of a quant='gguf-int8' target (the drafter's arithmetic
+        # shapes only the tree, never the tokens)
+        object.__setattr__(self, "int8", int8)
+        self._build()
+
+    @torch.inference_mode(False)  # copies made during a draft stay ordinary tensors
+    def _build(self) -> None:
+        ref, kernel = self.reference, self.kernel
+        built = stack.build(ref.cfg.model, ref.layers, None, kernel, self.int8) if kernel is not None else None
+        self.context = built is not None and stack.add_context(built, ref.fc.weight, ref.hidden_norm.weight,
+                                                               ref.layers, self.int8)
+        # the reduced head as 8-bit blocks or bf16 where exact (the shipped drafter's): fewer bytes, same bits
+        self.head = (Linear(ref.lm_head.weight, kernel, compact=built is not None, int8=self.int8)
+                     if ref.cfg.reduced_vocab else None)
+        self.stack = built
+        self.watch = WeightsWatch(ref.parameters)
+
+    def _current(self) -> None:
+        """Re-make the copies where a weight changed (an optimizer step between training's evaluations, a load)."""
+        if self.watch.changed():
+            self._build()
+
+    def __repr__(self) -> str:
+        return f"CPUDrafter({self.reference!r})"
+
+    @property
+    def cfg(self):
+        return self.reference.cfg
+
+    @property
+    def block_size(self) -> int:
+        return self.reference.block_size
+
+    @property
+    def target(self):
+        return self.reference.target
+
+    def new_cache(self, capacity: int) -> ContextCache:
+        return self.reference.new_cache(capacity)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.reference.to_target_ids(ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [N, H] -> logits over the draft vocabulary (DFlashDrafter.logits)."""
+        return self.head(hidden) if self.head is not None else self.reference.target.logits(hidden)
+
+    def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        """DFlashDrafter.add_context: queued on a ContextCache, computed now on any other cache."""
+        add_context(cache, features, self._checked_context)
+
+    def flush_context(self, cache: KVCache) -> None:
+        flush_context(cache, self._checked_context)
+
+    def _checked_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        self._current()
+        self._context(cache, features)
+
+    @torch.inference_mode()
+    def _context(self, cache: KVCache, features: torch.Tensor) -> None:
+        """DFlashDrafter.context_pass, as one C++ call instead of ~25 small torch ops where the stack has it."""
+        n, ref = features.shape[0], self.reference
+        if self.context and features.dim() == 2 and features.dtype == torch.float32 and n <= stack.MAX_ROWS:
+            positions = torch.arange(cache.length, cache.length + n, device=features.device)
+            cos, sin = ref.rotary(positions, features.dtype)
+            self.stack.context(features, cos, sin, cache.k, cache.v, cache.length)
+            cache.commit(n)
+        else:
+            ref.context_pass(cache, features)
+
+    @torch.inference_mode()
+    def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """DFlashDrafter.draft: logits [length - 1, draft vocab] for block positions 1..length-1."""
+        self._current()  # once per draft: are its copies still the weights'?
+        flush_context(cache, self._context)
+        ref = self.reference
+        h, cos, sin, visibility = ref.block_inputs(cache, bonus, length)
+        if len({id(v) for v in visibility}) == 1 and stack.usable(self.stack, h.shape[0], ref.attention_backend,
+                                                                   visibility[0]):
+            h, _ = self.stack.forward(h, cos, sin, cache.k, cache.v, cache.length, visibility[0].ancestors, [])
+            hidden = self.kernel.rms_norm(h[1:], ref.norm.weight, ref.norm.eps)  # [length - 1, H]
+        else:
+            hidden = ref.norm(ref.block_layers(h, cos, sin, visibility, cache)[1:])
+        return self.logits(hidden)
+
+    def refresh(self) -> "CPUDrafter":
+        """Re-make the copies of the weights from their current values (see CPUTarget.refresh)."""
+        self._build()
+        return self
+
+    def check_fresh(self) -> None:
+        """A ConfigError where the weights were written behind torch's back since the stack copied them."""
+        if not self.watch.changed() and self.watch.stale():
+            raise ConfigError(STALE)
+
+
+class _RuntimeLinear(nn.Module):
+    """A linear layer's place taken by the runtime's Linear (reference_arithmetic), holding the same weight and bias
+    (the same parameters, in the same order: the weights' guard sees the same model)."""
+
+    def __init__(self, layer: nn.Module, kernel):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.impl = Linear(layer.weight, kernel, bias=layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impl(x)
+
+
+@contextmanager
+def reference_arithmetic(runtime: "CPUTarget | CPUDrafter"):
+    """While it lasts, the wrapper's passes run its reference's eager layers (no stack), with every linear layer on
+    the runtime's Linear (the row kernel's sums): the arithmetic that the stack is held bit-equal to by the tests.
+    The reference's modules are restored afterwards, untouched."""
+    linears = [(module, name, child) for module in runtime.reference.modules()
+               for name, child in module._modules.items()
+               if isinstance(child, (nn.Linear, FusedLinear, qlinear.QLinear)) and name != "lm_head"]  # the runtime's
+    saved = {name: getattr(runtime, name) for name in ("stack", "context") if name in runtime._OWN}
+    try:
+        for module, name, child in linears:  # not setattr: no registration, so the weights' guard sees no change
+            module._modules[name] = _RuntimeLinear(child, runtime.kernel)
+        for name in saved:
+            object.__setattr__(runtime, name, None)
+        yield runtime
+    finally:
+        for module, name, child in linears:
+            module._modules[name] = child
+        for name, value in saved.items():
+            object.__setattr__(runtime, name, value)
+
+
+def cpu_target(model, cpu_kernel: str = "auto", quant_gguf=None, source_gguf=None, conversion=None,
+               gguf_blocks: bool = True, int8: bool = False):
+    """The target as it runs: the CPU runtime over `model` where it applies (applies()), else `model` itself.
+    quant_gguf: run the layers on that GGUF's blocks (quant='gguf'; with int8, quant='gguf-int8': activations
+    quantized to int8 per block, llama.cpp's arithmetic); source_gguf + conversion: the GGUF a float
+    target was converted from, whose exact blocks serve its narrow passes unless gguf_blocks is False (or
+    DDTREE_GGUF_BLOCKS is)."""
+    if not applies(model):
+        return model
+    quant = quantize_target(model, quant_gguf, int8) if quant_gguf is not None else None
+    blocks = None
+    gguf_blocks = gguf_blocks and env_flag("DDTREE_GGUF_BLOCKS", True)  # the environment overrides True
+    if (quant_gguf is None and source_gguf is not None and gguf_blocks and model.fused
+            and qlinear.cpu_kernel_available(cpu_kernel)):
+        blocks = exact_blocks.find(model, source_gguf, conversion)
+    return CPUTarget(model, cpu_kernel, quant, blocks)
+
+
+def attach(target, drafter):
+    """(target, drafter) as a pair runs them: a reference target on a float32 CPU gets the runtime (default
+    choices), and the drafter of a CPUTarget is bound to it and gets its own runtime with the target's kernel."""
+    if not isinstance(target, CPUTarget) and applies(target):
+        target = CPUTarget(target)
+    if isinstance(target, CPUTarget) and drafter is not None and not isinstance(drafter, CPUDrafter):
+        drafter = CPUDrafter(drafter.bind(target), target.kernel, int8=target.int8)
+    return target, drafter

@@ -1,0 +1,315 @@
+"""The CUDA runtime: the reference models' passes replayed as captured CUDA graphs.
+
+A speculative step on a GPU is a few passes of dozens of small kernels each; launched one by one from Python, the
+launches, not the GPU, set the step's time (batch size 1). Here each pass shape is captured once and replayed:
+
+  verify    the target over N tree nodes, N padded up to a bucket (1, 2, 4, ... 512): one graph per bucket
+  context   the drafter's K/V of the newly committed tokens, padded up to a bucket: one graph per bucket
+  block     the drafter's block pass over `length` positions: one graph per length
+
+A pass kind's graphs are all captured at its first use (every bucket, every block length), so that no capture
+falls inside a later step. A graph bakes in addresses and shapes, not values: every per-step value lives in a static input buffer that is
+written before the replay (the tokens, positions, the packed tree mask, the past length as an int32 on the
+device, which the Triton tree-attention kernel reads when it runs). The graphs run the reference code itself
+(TargetModel.hidden_states, DFlashDrafter.block_layers), only with a cache writer that puts the new K/V at rows
+named by a device tensor. Padding rows see only themselves and are never seen by a real row; their K/V land
+after the real rows, where the next pass or commit overwrites them.
+
+The runtime owns its caches (one per model, grown when a longer one is asked for and kept across generations),
+since a graph is bound to the cache it was captured on. Passes it has no graph for (the prompt's prefill, trees
+larger than the last bucket, a drafter with sliding-window or causal layers, the SDPA backend) run the reference
+eagerly on the same cache. `graphs=False` runs the same bucketed passes without capturing them (what the tests
+do on a CPU, with Triton's interpreter): the arithmetic is the replay's.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...models.attention import Visibility
+from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
+from ...models.protocol import TargetOutput
+from ...base.knobs import env_choice
+from ...models.target import TargetModel
+from ...models.wrapping import RuntimeWrapper
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # padded pass sizes; larger passes run eagerly
+
+
+def applies(model) -> bool:
+    """The runtime runs the own-code target on a CUDA device with the Triton attention backend (the kernel that
+    reads the past length on the device); it is off with DDTREE_CUDA_GRAPHS=0 (read when a pair is made)."""
+    return (isinstance(model, TargetModel) and model.device.type == "cuda" and model.attention_backend == "triton"
+            and env_choice("DDTREE_CUDA_GRAPHS", ("0", "1"), "1") == "1")
+
+
+def bucket(n: int) -> int | None:
+    """The padded size of a pass over n rows, or None past the last bucket."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+class DeviceVisibility(Visibility):
+    """Visibility for a captured pass: the past length is an int32 [1] on the device and the tree mask is a static
+    packed-bits buffer [B, ceil(B / 32)] (kernels/tree_attention.py's layout). Only the Triton backend reads it."""
+
+    def __init__(self, past_len: torch.Tensor, bits: torch.Tensor, lower_triangular: bool):
+        super().__init__(past_len, None)
+        self._bits, self._lower = bits, lower_triangular
+
+    @property
+    def lower_triangular(self) -> bool:
+        return self._lower
+
+    def bits(self, n: int, device) -> torch.Tensor:
+        return self._bits
+
+    def dense(self, group: int):
+        raise RuntimeError("a captured pass's visibility is for the Triton kernel only (attention_backend='triton')")
+
+
+class RowWriter:
+    """The cache as a captured pass writes it: the pass's new K/V go to rows `rows` (a device LongTensor [B]), and
+    attention reads the whole cache (the kernel stops at the device past length + B)."""
+
+    def __init__(self, cache: KVCache, rows: torch.Tensor):
+        self.cache, self.rows = cache, rows
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache.k[layer].index_copy_(1, self.rows, k)  # k, v [Hkv, B, D]
+        self.cache.v[layer].index_copy_(1, self.rows, v)
+        return self.cache.k[layer], self.cache.v[layer]
+
+
+class Pass:
+    """One pass shape over one cache: static inputs, the function that reads them, its graph once captured."""
+
+    def __init__(self, fn, capture: bool):
+        self.fn, self.capture, self.graph, self.out = fn, capture, None, None
+
+    def prepare(self) -> "Pass":
+        """Capture the graph (a no-op uncaptured or once captured). The warm-up before the capture runs the pass,
+        writing its K/V rows after the cache's past: the static past length must be current."""
+        if self.capture and self.graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
+                self.fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn()
+        return self
+
+    def run(self):
+        """Run with the inputs as they are now; the outputs stay valid until this pass runs again."""
+        if not self.capture:
+            self.out = self.fn()
+        else:
+            self.prepare().graph.replay()
+        return self.out
+
+
+class _Runtime(RuntimeWrapper):
+    """What the target's and the drafter's runtimes share: the reference they wrap (everything they do not define is
+    its own, read and written), a pool of one cache per kind, the passes captured on it."""
+
+    _OWN = frozenset({"reference", "graphs", "_cache", "_passes", "_weights", "_static"})
+
+    def __init__(self, reference, graphs: bool):
+        object.__setattr__(self, "reference", reference)
+        object.__setattr__(self, "graphs", graphs)
+        object.__setattr__(self, "_cache", None)
+        object.__setattr__(self, "_passes", {})
+        object.__setattr__(self, "_weights", None)
+        object.__setattr__(self, "_static", _Static(next(reference.parameters()).device, BUCKETS[-1]))
+
+    def _pooled(self, capacity: int, make) -> KVCache:
+        """The runtime's cache, reset, reporting `capacity` while its tensors keep BUCKETS[-1] rows more (a
+        padded pass writes past the real rows). Grown (and the graphs on the old one dropped) when too short."""
+        rows = capacity + BUCKETS[-1]
+        if self._cache is None or self._cache.k.shape[2] < rows:
+            self._passes.clear()
+            self._cache = None
+            with torch.inference_mode(False):  # normal tensors: the loop commits outside inference mode
+                self._cache = make(-(-rows // 1024) * 1024)
+        cache = self._cache
+        cache.reset()
+        cache.capacity = capacity
+        return cache
+
+    def _owns(self, cache) -> bool:
+        return cache is self._cache
+
+    def check_fresh(self) -> None:
+        """Before each generation (protocol.Target): graphs read the weights' storage, so where a parameter was
+        replaced (not written in place) since they were captured, they are captured again."""
+        key = tuple(p.data_ptr() for p in self.reference.parameters())
+        if key != self._weights:
+            self._passes.clear()
+            object.__setattr__(self, "_weights", key)
+        self.reference.check_fresh()
+
+    def refresh(self):
+        self._passes.clear()
+        object.__setattr__(self, "_weights", None)
+        self.reference.refresh()
+        return self
+
+
+class _Static:
+    """Static input buffers shared by all of a runtime's passes (slices of them per bucket)."""
+
+    def __init__(self, device, rows: int):
+        self.past = torch.zeros(1, dtype=torch.int32, device=device)
+        self.steps = torch.arange(rows, device=device)  # row offsets 0..rows-1 from the past
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+
+
+class GPUTarget(_Runtime):
+    """The target on CUDA with its verify passes captured per tree-size bucket."""
+
+    def __repr__(self) -> str:
+        return f"GPUTarget(graphs={self.graphs}, {self.reference!r})"
+
+    def describe(self) -> dict:
+        return {**self.reference.describe(), "runtime": "cuda-graphs" if self.graphs else "bucketed"}
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.cfg
+        return self._pooled(capacity, lambda rows: KVCache(c.num_layers, c.num_kv_heads, c.head_dim, rows,
+                                                           self.dtype, self.device))
+
+    @torch.inference_mode()  # its buffers are inference tensors: written in inference mode only
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
+                 tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
+        n = tokens.shape[0]
+        size = bucket(n)
+        if (size is None or last_only or vis.past is not None or not self._owns(cache)
+                or cache.length + size > cache.k.shape[2]):
+            return self.reference(tokens, positions, cache, vis, tap_layers, last_only, row_logits)
+        taps = tuple(tap_layers)
+        s = self._static
+        s.past.fill_(cache.length)
+        if (size, taps) not in self._passes:  # every bucket at once: no capture inside a later, timed step
+            for b in BUCKETS if self.graphs else (size,):
+                self._passes[(b, taps)] = self._make_pass(cache, b, taps).prepare()
+        p = self._passes[(size, taps)]
+        s.tokens[:n].copy_(tokens)
+        s.positions[:n].copy_(positions)
+        p.bits.copy_(p.identity)  # padding rows see themselves only
+        if vis.ancestors is not None:
+            packed = vis.bits(n, self.device)  # [n, ceil(n / 32)]
+            p.bits[:n, :packed.shape[1]] = packed
+        logits, features = p.run()
+        return TargetOutput(logits[:n], None if features is None else features[:n].clone())
+
+    def _make_pass(self, cache: KVCache, size: int, taps: tuple[int, ...]) -> Pass:
+        s, ref = self._static, self.reference
+        eye = torch.eye(size, dtype=torch.bool, device=self.device)
+        identity = Visibility(0, eye).bits(size, self.device)  # each row sees itself: the padding rows' mask
+        bits = identity.clone()
+        vis = DeviceVisibility(s.past, bits, lower_triangular=True)
+
+        @torch.inference_mode()
+        def fn():
+            writer = RowWriter(cache, s.past + s.steps[:size])
+            hidden, features = ref.hidden_states(s.tokens[:size], s.positions[:size], writer, vis, taps)
+            return ref.logits(hidden), features
+
+        p = Pass(fn, self.graphs)
+        p.bits, p.identity = bits, identity
+        return p
+
+
+class GPUDrafter(_Runtime):
+    """The drafter on CUDA with its context and block passes captured (for drafters whose layers all see the whole
+    context and block, the published DFlash design; others run the reference eagerly)."""
+
+    def __repr__(self) -> str:
+        return f"GPUDrafter(graphs={self.graphs}, {self.reference!r})"
+
+    @property
+    def capturable(self) -> bool:
+        return all(self.cfg.layer_attention(i) == (None, False) for i in range(len(self.reference.layers)))
+
+    def new_cache(self, capacity: int) -> ContextCache:
+        m, w = self.cfg.model, self.reference.fc.weight
+        return self._pooled(capacity, lambda rows: ContextCache(m.num_layers, m.num_kv_heads, m.head_dim, rows,
+                                                                w.dtype, w.device))
+
+    def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
+        add_context(cache, features, self.context_pass)
+
+    def flush_context(self, cache: KVCache) -> None:
+        flush_context(cache, self.context_pass)
+
+    @torch.inference_mode()  # its buffers are inference tensors: written in inference mode only
+    def context_pass(self, cache: KVCache, features: torch.Tensor) -> None:
+        n = features.shape[0]
+        size = bucket(n)
+        if size is None or not self._owns(cache) or not self.capturable or cache.length + size > cache.k.shape[2]:
+            return self.reference.context_pass(cache, features)
+        self._static.past.fill_(cache.length)
+        if ("context", size) not in self._passes:  # every bucket at once (the warm-ups write rows the pass rewrites)
+            for b in BUCKETS if self.graphs else (size,):
+                self._passes[("context", b)] = self._context_pass(cache, b, features.shape[1]).prepare()
+        p = self._passes[("context", size)]
+        p.features[:n].copy_(features)
+        p.run()
+        cache.commit(n)
+
+    def _context_pass(self, cache: KVCache, size: int, width: int) -> Pass:
+        s, ref = self._static, self.reference
+        features = torch.zeros(size, width, dtype=ref.fc.weight.dtype, device=ref.fc.weight.device)
+
+        @torch.inference_mode()
+        def fn():
+            positions = s.past + s.steps[:size]
+            writer = RowWriter(cache, positions)
+            cos, sin = ref.rotary(positions, features.dtype)
+            ctx = ref.hidden_norm(ref.fc(features))  # [size, H]
+            for i, layer in enumerate(ref.layers):
+                writer.write(i, *layer.self_attn.key_value(ctx, cos, sin))
+
+        p = Pass(fn, self.graphs)
+        p.features = features
+        return p
+
+    @torch.inference_mode()  # its buffers are inference tensors: written in inference mode only
+    def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        length = length or self.block_size
+        self.flush_context(cache)
+        if not self._owns(cache) or not self.capturable or cache.length + length > cache.k.shape[2]:
+            return self.reference.draft(cache, bonus, length)
+        self._static.past.fill_(cache.length)
+        if ("block", length) not in self._passes:  # every length at once (budget="auto" drafts 2..block)
+            for b in sorted({*range(2, self.block_size + 1), length}) if self.graphs else (length,):
+                self._passes[("block", b)] = self._block_pass(cache, b).prepare()
+        self._static.tokens[:1].copy_(bonus)
+        return self._passes[("block", length)].run()
+
+    def _block_pass(self, cache: KVCache, length: int) -> Pass:
+        s, ref = self._static, self.reference
+        mask = torch.full((length - 1,), self.cfg.mask_token_id, dtype=torch.long, device=s.tokens.device)
+        bits = torch.full((length, -(-length // 32)), -1, dtype=torch.int32, device=s.tokens.device)  # all visible
+        vis = [DeviceVisibility(s.past, bits, lower_triangular=False)] * len(ref.layers)
+
+        @torch.inference_mode()
+        def fn():
+            positions = s.past + s.steps[:length]
+            h = ref.target.embed(torch.cat([s.tokens[:1], mask]))  # [length, H]
+            cos, sin = ref.rotary(positions, h.dtype)
+            h = ref.block_layers(h, cos, sin, vis, RowWriter(cache, positions))
+            return ref.logits(ref.norm(h[1:]))  # [length - 1, draft vocab]
+
+        return Pass(fn, self.graphs)
+
+
+def attach(target, drafter, graphs: bool = True):
+    """(target, drafter) as a pair runs them: a reference target on CUDA with the Triton backend gets this runtime
+    (graphs=False: the same padded passes, uncaptured), and its drafter too, bound to it."""
+    if not isinstance(target, GPUTarget) and (applies(target) or (isinstance(target, TargetModel) and not graphs)):
+        target = GPUTarget(target, graphs)
+    if isinstance(target, GPUTarget) and drafter is not None and not isinstance(drafter, GPUDrafter):
+        drafter = GPUDrafter(drafter.bind(target), target.graphs)
+    return target, drafter
