@@ -186,9 +186,11 @@ def test_runs_on_a_busy_machine_are_timed_again_once_then_flagged(in_process, tm
     the cells stay flagged with the reason, in summary.md, summary.json and the plots."""
     monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 1.0)
     monkeypatch.setattr(in_process, "busy_cores", lambda seconds=0.5: 1.0)
-    assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
+    assert in_process.main(TINY_ONE + ["--traces", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "other processes keep 1.0 cores busy" in err and "timing 1 prompt group(s) again" in err
+    traced = (tmp_path / "traces.jsonl").read_text().splitlines()  # each step once, whatever was timed again
+    assert len(traced) == sum(r["steps"] for r in records(tmp_path))
     lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]  # one per run
     assert sorted((r["method"], r["attempt"], r["repeat"]) for r in lines) == [
         (method, attempt, repeat) for method in ("ar", "ddtree:2") for attempt in (1, 2) for repeat in (0, 1)]
@@ -199,7 +201,7 @@ def test_runs_on_a_busy_machine_are_timed_again_once_then_flagged(in_process, tm
     assert [r["flagged"] for r in summary["rows"]] == ["other processes used 1.00 cores during a run (limit 0.25)"] * 2
     assert "## Flagged cells" in (tmp_path / "summary.md").read_text()
     # a re-run: attempts are used up, so nothing is timed again
-    assert in_process.main(TINY_ONE + ["--out", str(tmp_path)]) == 0
+    assert in_process.main(TINY_ONE + ["--traces", "--out", str(tmp_path)]) == 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 8
     # --no-retime: measured once, flagged
     assert in_process.main(TINY_ONE + ["--no-retime", "--out", str(tmp_path / "once")]) == 0

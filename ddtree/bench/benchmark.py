@@ -253,11 +253,12 @@ def load_records(out: Path) -> dict[str, dict]:
 def run_group(pair, group, args, env, sinks, progress, inject: list, peers, meter: LoadMeter, attempt: int,
               repeat: int) -> list[dict]:
     """Decode one prompt once with every method (runner.run_prompt: ar first, greedy outputs checked against
-    its), each run with the machine's load while it ran, and append one line per run (and, for repeat 0 with
-    --traces, its per-step traces) to the sinks. The repeats of a prompt are passes over the whole plan, so a
-    slow minute of the machine meets one repeat of a prompt, not all."""
+    its), each run with the machine's load while it ran, and append one line per run to the sinks. With --traces
+    every run records its trace (so every repeat is timed alike) and the first attempt's repeat 0 writes it: the
+    trees are the same in every run. The repeats of a prompt are passes over the whole plan, so a slow minute of
+    the machine meets one repeat of a prompt, not all."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
-                           trace=args.traces and repeat == 0, stop=group["stop"])
+                           trace=args.traces, stop=group["stop"])
     fields = dict(mode=group["mode"], dataset=group["dataset"], temperature=group["temperature"],
                   prompt_index=group["prompt_index"], prompt_sha=group["prompt_sha"], seed=group["seed"],
                   max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k)
@@ -277,7 +278,8 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers, mete
                    finished_at=time.time())
         if rec["check"] == "error":
             shout_error(rec)
-        for i, step in enumerate(rec.pop("trace", None) or []):
+        trace = rec.pop("trace", None) or []  # never in the record itself
+        for i, step in enumerate(trace if (attempt, repeat) == (1, 0) else ()):
             sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, **fields, **step))
                                   + "\n")
         sinks["records"].write(json.dumps(rec) + "\n")
