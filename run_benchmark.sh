@@ -17,6 +17,10 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python}"
+if ! [[ "${NPROC:-1}" =~ ^[0-9]+$ ]] || [ "$((10#${NPROC:-1}))" -lt 1 ]; then
+  echo "run_benchmark.sh: NPROC must be a positive integer (the number of processes), got '${NPROC}'" >&2
+  exit 2
+fi
 
 # Which of the needed modules are missing? find_spec only: no heavy imports, so a re-run costs well under a second.
 missing() {
@@ -57,7 +61,7 @@ if [ -n "$(missing matplotlib)" ]; then  # for plot_results.py
   "$PYTHON" -m pip install matplotlib
 fi
 
-if [ "${NPROC:-1}" -gt 1 ]; then
+if [ "$((10#${NPROC:-1}))" -gt 1 ]; then
   exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m ddtree.bench.benchmark "$@"
 fi
 exec "$PYTHON" -m ddtree.bench.benchmark "$@"

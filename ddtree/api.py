@@ -3,7 +3,7 @@
 the same prompts and checks them against plain decoding."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from .runtime.gpu import runtime as gpu_runtime
 from .models.drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine.decoder import Decoder, Method, make_method
 from .base.hub import resolve as resolve_hub
-from .base.knobs import env_flag
+from .base.options import QUANTS, LoadOptions, Quant, load_threads  # noqa: F401 - QUANTS: the CLI's choices
 from .models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
 from .engine.method_spec import MethodSpec
@@ -74,10 +74,15 @@ class TextStream:
 class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
-    def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None):
+    def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None,
+                 options: LoadOptions | None = None):
         # on a float32 CPU both run inside the CPU runtime (ddtree/runtime/cpu/runtime.py), built once here or at load; on
-        # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/runtime/gpu/runtime.py)
-        target, drafter = gpu_runtime.attach(*attach(target, drafter))
+        # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/runtime/gpu/runtime.py) unless
+        # options.cuda_graphs is False. A pair made by hand takes the defaults; load() resolves its options.
+        self.options = LoadOptions() if options is None else options
+        target, drafter = attach(target, drafter)
+        if self.options.cuda_graphs:
+            target, drafter = gpu_runtime.attach(target, drafter)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)
@@ -227,11 +232,10 @@ def check_quant(quant, target, device, dtype, kernel: str = "auto") -> Path | No
     """The GGUF file whose blocks quant='gguf' / 'gguf-int8' runs (None without quant), or a ConfigError naming the
     fix. The arguments are checked before the target is looked for (a wrong combination is named as such, also
     where the target is missing)."""
+    quant = Quant.parse(quant)
     if quant is None:
         return None
-    if quant not in QUANTS:
-        raise ConfigError(f"unknown quant {quant!r}; choose 'gguf' (the target GGUF's own blocks, float activations) "
-                          "or 'gguf-int8' (the same blocks with int8 activations: llama.cpp's arithmetic)")
+    quant = quant.value  # the name the messages give
     if kernel == "off":
         raise ConfigError(f"quant={quant!r} runs on the CPU kernels, which cpu_kernel='off' (or DDTREE_CPU_KERNEL=0) "
                           "turns off; leave cpu_kernel at 'auto'")
@@ -245,12 +249,10 @@ def check_quant(quant, target, device, dtype, kernel: str = "auto") -> Path | No
     return path
 
 
-QUANTS = ("gguf", "gguf-int8")
-
-
-def load(target=None, draft=None, device=None, dtype=None, attention_backend: str = "auto",
-         backend: str = "auto", quant: str | None = None, cpu_kernel: str = "auto", gguf_blocks: bool = True,
-         markov_head: bool = False) -> Pair:
+def load(target=None, draft=None, device=None, dtype=None, attention_backend: str | None = "auto",
+         backend: str = "auto", quant: str | Quant | None = None, cpu_kernel: str | None = "auto",
+         gguf_blocks: bool | None = None, markov_head: bool | None = None, threads: int | None = None,
+         cuda_graphs: bool | None = None) -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
@@ -263,27 +265,35 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     arithmetic: another function than the float model's, cheaper per verified row; every method is lossless
     against `ar` of the same mode).
     cpu_kernel: "auto" (the CPU's build of the C++ kernels), "avx2", "avx512", or "off" (torch's matmuls only:
-    the reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it.
+    the reference arithmetic, slower).
     gguf_blocks: a float target converted from a GGUF reads that file's blocks for its narrow passes where they
-    are exactly its weights (the same bits, fewer bytes; ddtree/runtime/cpu/exact_blocks.py); DDTREE_GGUF_BLOCKS=0
-    overrides True.
-    markov_head: True (or DDTREE_MARKOV_HEAD=1) uses a drafter's Markov head, if it has one: each tree node's
-    children come from that node's own conditional (ddtree/models/markov.py; more accepted, a costlier tree build on the
-    host). False, the default, drafts from the marginals alone, exactly as the published code does."""
-    kernel = resolve_cpu_kernel(cpu_kernel)  # a bad choice is refused here, before the slow load
-    for name, value in (("gguf_blocks", gguf_blocks), ("markov_head", markov_head)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {value!r}")
+    are exactly its weights (the same bits, fewer bytes; ddtree/runtime/cpu/exact_blocks.py); default True.
+    markov_head: True uses a drafter's Markov head, if it has one: each tree node's children come from that node's
+    own conditional (ddtree/models/markov.py; more accepted, a costlier tree build on the host). False, the
+    default, drafts from the marginals alone, exactly as the published code does.
+    threads: torch's CPU threads, set here once (default: the cores other processes leave free, never more than
+    the process has; a notice on stderr when other processes keep cores busy).
+    cuda_graphs: False runs a CUDA target eagerly, without the CUDA-graph runtime (default True).
+    Every knob: the argument where given (None, or "auto" for a choice, is not given), else its DDTREE_*
+    variable (DDTREE_CPU_KERNEL, DDTREE_CPU_ISA, DDTREE_GGUF_BLOCKS, DDTREE_MARKOV_HEAD, DDTREE_THREADS,
+    DDTREE_CUDA_GRAPHS, DDTREE_ATTENTION), else the default; read once, here (ddtree/base/options.py). The pair
+    keeps them as `pair.options`."""
+    options = LoadOptions.resolve(cpu_kernel, gguf_blocks, markov_head, cuda_graphs, attention_backend, quant,
+                                  threads)  # bad values are refused here, before the slow load
+    kernel = resolve_cpu_kernel(options.kernel)
     given = (target, draft)  # hub ids (ddtree/base/hub.py) become their local snapshot folders; paths stay as they are
     target, draft = resolve_hub(target, "target"), resolve_hub(draft, "draft")
+    quant = options.quant
     gguf = check_quant(quant, target, device, dtype, kernel)
     device = resolve_device("cpu" if quant and device is None else device)  # before the (slow) model load
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
     source = source_gguf(target)
-    tgt = cpu_target(load_target(directory, dtype, device, attention_backend, backend), cpu_kernel,
+    options = replace(options, threads=load_threads(options, torch.get_num_threads()))
+    torch.set_num_threads(options.threads)  # once, before the runtime picks its paths by the thread count
+    tgt = cpu_target(load_target(directory, dtype, device, options.attention, backend), options.kernel,
                      quant_gguf=gguf, source_gguf=source, conversion=directory,
-                     gguf_blocks=gguf_blocks, int8=quant == "gguf-int8")
+                     gguf_blocks=options.gguf_blocks, int8=options.int8)
     tokenizer = load_tokenizer(directory)
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)
@@ -295,14 +305,14 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
         warn_untrained()
         drafter = untrained_drafter(tgt)
         drafter.label = "untrained"
-    if drafter.markov is None and markov_head and env_flag("DDTREE_MARKOV_HEAD", markov_head):
+    if drafter.markov is None and markov_head:  # asked for this drafter (DDTREE_MARKOV_HEAD=1 asks where one is)
         raise ConfigError(f"markov_head=True, and the drafter ({drafter.label}) has no Markov head: drop markov_head "
                           "(--markov-head), or give it a drafter with one (`python -m ddtree train markov-fit`)")
     if drafter.markov is not None:
-        if env_flag("DDTREE_MARKOV_HEAD", markov_head):  # the environment overrides the argument
+        if options.markov_head:
             drafter.label += " + Markov head"
         else:
             drafter.set_markov_head(None)
     name = ("SmolLM2-135M-Instruct" if target is None else given[0] if target is not given[0]  # a hub id: itself
             else Path(directory).name)
-    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source)
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source, options)

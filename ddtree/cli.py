@@ -8,35 +8,14 @@ import os
 import sys
 
 from . import api
-from .api import QUANTS
 from .bench.compare import compare as run_compare
-from .base.config import ConfigError, SamplingParams, add_arithmetic_args, check_int
+from .base.config import ConfigError, SamplingParams, check_int
+from .base.options import add_model_args, load_options_from
 from .models.loading import resolve_device
 from .engine.method_spec import DEFAULT_BUDGET, SYNTAX, MethodSpec, parse_methods
 from .serve import main as serve_main
 from .engine.stops import check_stop
 from .train.cli import main as train_main
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="HF model directory, .gguf file or hub id org/name[@revision] (default: "
-                                    "embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="DFlash drafter directory or hub id (default: the shipped drafter for the "
-                                   "default target)")
-    p.add_argument("--markov-head", action="store_true",
-                   help="use the drafter's Markov head: each tree node's children from its own conditional "
-                        "(ddtree/models/markov.py; DDTREE_MARKOV_HEAD=1 too)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on every CPU)")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"],
-                   help="attention backend (default: triton on CUDA, sdpa elsewhere)")
-    p.add_argument("--quant", choices=QUANTS,
-                   help="gguf: run the target on its GGUF's own Q4_1 / Q8_0 blocks (CPU, float32 activations); "
-                        "gguf-int8: the same blocks with int8 activations (llama.cpp's arithmetic)")
-    add_arithmetic_args(p)
-    p.add_argument("--backend", default="auto", choices=["auto", "own", "hf"],
-                   help="target backend: own-code model (llama/qwen2/qwen3/mistral) or any Hugging Face causal LM "
-                        "(default: own where it covers the architecture, else hf)")
 
 
 def _decode_args(p: argparse.ArgumentParser, template_optional: bool = True) -> None:
@@ -84,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
     gen.add_argument("--stream", action="store_true", help="print the text as it is decoded")
-    _model_args(gen)
+    add_model_args(gen)
     _decode_args(gen)
 
     cmp = sub.add_parser("compare", help="run several methods on the same prompts; check them against ar")
     cmp.add_argument("prompts", nargs="+", help="prompt texts")
     cmp.add_argument("--methods", default="ar,dflash,ddtree", help=f"comma-separated: {SYNTAX}")
     cmp.add_argument("--seed", type=int, default=0)
-    _model_args(cmp)
+    add_model_args(cmp)
     _decode_args(cmp)
 
     chat = sub.add_parser("chat", help="an interactive chat: each answer streamed, with its tau and tok/s; "
@@ -99,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--method", default="ddtree", help="ar, dflash, ddtree, ddtree:N or ddtree:auto (default: ddtree)")
     chat.add_argument("--seed", type=int)
     chat.add_argument("--system", help="a system message to start the conversation with")
-    _model_args(chat)
+    add_model_args(chat)
     _decode_args(chat, template_optional=False)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the pair (docs/serving.md); "
@@ -117,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--top-p", type=float, default=1.0)
     srv.add_argument("--top-k", type=int, default=0)
     srv.add_argument("--max-new-tokens", type=int, default=256, help="a request's default max_tokens")
-    _model_args(srv)
+    add_model_args(srv)
 
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -131,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         stops = dict(stop=list(check_stop(args.stop)), stop_token_ids=args.stop_token_id)
         if args.command == "generate" and args.stream and args.json:
             raise ConfigError("--stream prints text as it comes and --json one object at the end: choose one")
-        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant,
-                        args.cpu_kernel, not args.no_gguf_blocks, args.markov_head)
+        pair = api.load(**load_options_from(args))
         common = dict(block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, max_new_tokens=args.max_new_tokens, **stops)
         if args.command == "chat":

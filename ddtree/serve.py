@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from . import api
 from .base.config import ConfigError, SamplingParams
+from .base.options import load_options_from
 from .models.loading import resolve_device
 from .engine.method_spec import MethodSpec
 
@@ -465,8 +466,7 @@ def main(args) -> int:
             raise ConfigError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         MethodSpec.parse(args.method, args.budget, resolve_device(args.device))
         SamplingParams(args.temperature, args.top_p, args.top_k)
-        pair = api.load(args.target, args.draft, args.device, args.dtype, args.attention, args.backend, args.quant,
-                        args.cpu_kernel, not args.no_gguf_blocks, args.markov_head)
+        pair = api.load(**load_options_from(args))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -66,7 +66,7 @@ def main() -> None:
     clock.wrap(CPUDrafter, "_context", "drafter context")
     clock.wrap(CPUDrafter, "draft", "drafter draft")
     clock.wrap(CPUDrafter, "logits", "drafter head")
-    pair = ddtree.load(quant=args.quant, markov_head=args.markov_head)
+    pair = ddtree.load(quant=args.quant, markov_head=args.markov_head, threads=args.threads)
     prompts = [text for name in ("humaneval", "mt-bench", "gsm") for text, _ in load_prompt_items(name, args.prompts)]
     pair.generate(prompts[0], method=args.method, max_new_tokens=8)  # warm-up
     print(f"{machine_name('cpu')}, {args.threads} thread(s), target {pair.target.quant or 'float'}, {args.method}, "

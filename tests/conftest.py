@@ -4,9 +4,11 @@ from __future__ import annotations
 import os
 import random
 import types
+from contextlib import contextmanager
 
 import pytest
 import torch
+from torch import nn
 
 if not torch.cuda.is_available():
     # Triton kernels run in its interpreter on the CPU; it must be chosen before triton is first imported.
@@ -16,6 +18,8 @@ from ddtree.engine import cost_cache
 from ddtree.runtime.cpu import qlinear
 from ddtree.base.config import SamplingParams
 from ddtree.models.drafter import untrained_drafter
+from ddtree.models.fused import FusedLinear
+from ddtree.runtime.cpu.runtime import Linear
 from ddtree.engine.decoder import Decoder, make_method
 from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.data import GenerationSettings, generate_data
@@ -139,3 +143,39 @@ def train_config(**kw):
 def new_drafter(target, draft_vocab=None):
     return untrained_drafter(target, num_layers=1, block_size=8, seed=1, mask_token_id=0,
                              draft_vocab=draft_vocab).requires_grad_(True)
+
+
+class _RuntimeLinear(nn.Module):
+    """A linear layer's place taken by the runtime's Linear (reference_arithmetic), holding the same weight and bias
+    (the same parameters, in the same order: the weights' guard sees the same model)."""
+
+    def __init__(self, layer: nn.Module, kernel):
+        super().__init__()
+        self.weight, self.bias = layer.weight, layer.bias
+        self.impl = Linear(layer.weight, kernel, bias=layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.impl(x)
+
+
+@contextmanager
+def reference_arithmetic(runtime):
+    """While it lasts, a CPU runtime's (CPUTarget / CPUDrafter) passes run its reference's eager layers (no stack),
+    with every linear layer on the runtime's Linear (the row kernel's sums): the arithmetic that the stack is held
+    bit-equal to by the tests. The reference's modules are restored afterwards, untouched. (A test oracle: it
+    lived in ddtree/runtime/cpu/runtime.py, which never used it.)"""
+    linears = [(module, name, child) for module in runtime.reference.modules()
+               for name, child in module._modules.items()
+               if isinstance(child, (nn.Linear, FusedLinear, qlinear.QLinear)) and name != "lm_head"]  # the runtime's
+    saved = {name: getattr(runtime, name) for name in ("stack", "context") if name in runtime._OWN}
+    try:
+        for module, name, child in linears:  # not setattr: no registration, so the weights' guard sees no change
+            module._modules[name] = _RuntimeLinear(child, runtime.kernel)
+        for name in saved:
+            object.__setattr__(runtime, name, None)
+        yield runtime
+    finally:
+        for module, name, child in linears:
+            module._modules[name] = child
+        for name, value in saved.items():
+            object.__setattr__(runtime, name, value)

@@ -23,16 +23,19 @@ def test_backend_selection(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # conftest sets it only without a GPU; selection is read per call
     assert resolve_backend("auto", cpu) == "sdpa"
     assert resolve_backend("triton", cpu) == "triton"  # the interpreter runs it
-    monkeypatch.setenv("DDTREE_ATTENTION", "triton")
-    assert resolve_backend("auto", cpu) == "triton"  # the environment fills in 'auto' ...
-    assert resolve_backend("sdpa", cpu) == "sdpa"  # ... and never overrides an explicit choice
+    from ddtree.base.options import LoadOptions
+
+    monkeypatch.setenv("DDTREE_ATTENTION", "triton")  # read by load() only (options.py), into the name
+    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend(LoadOptions.resolve().attention, cpu) == "triton"  # the environment fills in 'auto' ...
+    assert resolve_backend(LoadOptions.resolve(attention="sdpa").attention, cpu) == "sdpa"  # ... not a choice
     monkeypatch.setenv("DDTREE_ATTENTION", "flash9")
     with pytest.raises(ConfigError, match="DDTREE_ATTENTION='flash9' is not valid: use one of auto, sdpa, triton"):
-        resolve_backend("auto", cpu)
+        LoadOptions.resolve()
     monkeypatch.setenv("DDTREE_ATTENTION", "")  # empty is unset
-    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend(LoadOptions.resolve().attention, cpu) == "sdpa"
     monkeypatch.setenv("DDTREE_ATTENTION", "SDPA")  # the knobs' rules: any case
-    assert resolve_backend("auto", cpu) == "sdpa"
+    assert resolve_backend(LoadOptions.resolve().attention, cpu) == "sdpa"
 
 
 def test_triton_where_it_cannot_run_is_an_error(monkeypatch):
@@ -55,8 +58,10 @@ def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(target.cfg.to_hf()))
     save_file({k: v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"},
               str(tmp_path / "model.safetensors"))
+    from ddtree.base.options import LoadOptions
+
     monkeypatch.setenv("DDTREE_ATTENTION", "triton")
-    loaded = load_target(tmp_path, torch.float32, DEVICE)
+    loaded = load_target(tmp_path, torch.float32, DEVICE, LoadOptions.resolve().attention)  # as load() does
     assert loaded.attention_backend == "triton"
     monkeypatch.setenv("DDTREE_ATTENTION", "flash9")  # read on a pass, this would raise
     ids = torch.tensor([1, 2, 3], device=DEVICE)

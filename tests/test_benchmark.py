@@ -246,3 +246,45 @@ def test_an_interrupted_run_resumes_at_the_missing_repeats(in_process, tmp_path,
     again = [json.loads(line) for line in path.read_text().splitlines()[4:]]
     assert [(r["method"], r["repeat"]) for r in again] == [("ar", 1), ("ddtree:2", 1), ("ar", 2), ("ddtree:2", 2)]
     assert [len(r["repeats"]) for r in records(tmp_path)] == [3, 3]
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_decoding(in_process, tmp_path, capsys):
+    """Issue 55: the over-long prompt on line 2 is named (file:line) when the plan is made, exit 2, nothing decoded;
+    before, prompt 1 ran first and the run that reached line 2 failed without saying where it came from."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}) + "\n" + json.dumps({"prompt": "hello " * 9000}) + "\n")
+    out = tmp_path / "out"
+    assert in_process.main(TINY_ONE + ["--datasets", str(prompts), "--num-prompts", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:2: the prompt has" in err and "more than the target's context limit of" in err
+    assert not (out / "records.jsonl").exists()
+
+
+def test_a_run_that_fails_part_way_summarizes_the_finished_records(in_process, tmp_path, monkeypatch, capsys):
+    """Issue 55: the second prompt's runs crash (exit 3); the first prompt's records still get summary.md/.json."""
+    monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 0.0)
+    real, calls = in_process.run_group, []
+
+    def run_group(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(in_process, "run_group", run_group)
+    assert in_process.main(TINY_ONE + ["--num-prompts", "2", "--out", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError: boom" in err and "summarizes the 2 finished record(s)" in err
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [(r["method"], r["prompts"]) for r in rows] == [("ar", 1), ("ddtree:2", 1)]
+    assert len(json.loads((tmp_path / "last_run.json").read_text())["keys"]) == 2
+
+
+@pytest.mark.parametrize("nproc", ["abc", "0", "2x"])
+def test_run_benchmark_sh_refuses_a_bad_nproc(nproc):
+    """Issue 55: `NPROC=abc bash run_benchmark.sh` said `integer expression expected` (a shell error) after the
+    install checks; now a clear message and exit 2, before anything else."""
+    proc = subprocess.run(["bash", "run_benchmark.sh", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "NPROC": nproc}, timeout=60)
+    assert proc.returncode == 2 and f"NPROC must be a positive integer (the number of processes), got '{nproc}'" \
+        in proc.stderr and not proc.stdout

@@ -9,7 +9,7 @@ import torch
 from conftest import plant_oracle, run
 from ddtree.engine.budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
 from ddtree.engine.decoder import AUTO_MAX_BUDGET, Decoder, make_method
-from ddtree.engine.tree import best_first_nodes, best_first_tree
+from ddtree.engine.tree import best_first_nodes
 
 
 def test_cost_model_interpolates_and_extrapolates():
@@ -70,7 +70,7 @@ def test_pop_order_prefix_is_the_best_smaller_tree(seed):
     parents, depths, tokens, scores = best_first_nodes(logprobs, 80)
     assert np.all(np.diff(scores) <= 1e-9), "pops come in non-increasing score order"
     for b in (1, 2, 5, 17, 40, 80):
-        p, d, t = best_first_tree(logprobs, b)
+        p, d, t, _ = best_first_nodes(logprobs, b)
         assert p.tolist() == parents[:b + 1].tolist() and d.tolist() == depths[:b + 1].tolist()
         assert t == tokens[:b]
         assert np.all(parents[1:b + 1] < np.arange(1, b + 1)), "every parent precedes its child"

@@ -5,10 +5,10 @@ depend on the width of the pass, and the cases it must leave to the eager path."
 import pytest
 import torch
 
-from conftest import assert_same_tokens
+from conftest import assert_same_tokens, reference_arithmetic
 from ddtree.runtime.cpu import stack as cpu_stack
 from ddtree.runtime.cpu import weights_watch
-from ddtree.runtime.cpu.runtime import CPUTarget, attach, reference_arithmetic
+from ddtree.runtime.cpu.runtime import CPUTarget, attach
 from ddtree.models.attention import Visibility
 from ddtree.models.drafter import untrained_drafter
 from ddtree.bench.testing import random_pair, random_target

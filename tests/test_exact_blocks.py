@@ -194,18 +194,25 @@ def test_a_full_disk_while_caching_the_blocks_is_a_notice(tmp_path, monkeypatch,
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
 def test_blocks_can_be_turned_off_by_any_false_value(tmp_path, monkeypatch, value):
+    from ddtree.base.options import LoadOptions
+
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", value)
-    assert loaded(gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)).blocks is None
+    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", value)  # read by load() (options.py), passed down as gguf_blocks
+    assert loaded(gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path),
+                  gguf_blocks=LoadOptions.resolve().gguf_blocks).blocks is None
 
 
 def test_blocks_can_be_turned_off(tmp_path, monkeypatch):
-    """gguf_blocks=False (load's argument) turns them off; the environment can turn off, never on."""
+    """gguf_blocks=False (load's argument) turns them off; the argument beats the environment either way."""
+    from ddtree.base.options import LoadOptions
+
     monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
     path, conversion = gguf_of(quantizable_target("llama"), tmp_path), fake_conversion(tmp_path)
     assert loaded(path, conversion, gguf_blocks=False).blocks is None
     monkeypatch.setenv("DDTREE_GGUF_BLOCKS", "1")
-    assert loaded(path, conversion, gguf_blocks=False).blocks is None
+    assert loaded(path, conversion, gguf_blocks=LoadOptions.resolve(gguf_blocks=False).gguf_blocks).blocks is None
+    monkeypatch.setenv("DDTREE_GGUF_BLOCKS", "0")
+    assert loaded(path, conversion, gguf_blocks=LoadOptions.resolve(gguf_blocks=True).gguf_blocks).blocks is not None
     assert loaded(path, conversion).blocks is not None
 
 

@@ -77,3 +77,16 @@ def test_no_module_imports_a_higher_layer():
 def test_every_module_has_a_layer():
     tops = {top(module_name(p)) for p in PACKAGE.rglob("*.py")}
     assert tops <= set(LAYER), f"modules without a layer in tests/test_layering.py: {sorted(tops - set(LAYER))}"
+
+
+def test_no_test_only_code_in_the_package():
+    """Issue 50 item 5: helpers only the tests used live with the tests (tests/conftest.py: reference_arithmetic;
+    the tests call tree.best_first_nodes, the engine's own), and nothing in the package defines them."""
+    from ddtree.base.config import SamplingParams
+    from ddtree.engine import tree
+    from ddtree.runtime.cpu import runtime
+
+    assert not hasattr(runtime, "reference_arithmetic") and not hasattr(runtime, "_RuntimeLinear")
+    assert not hasattr(tree, "best_first_tree") and not hasattr(SamplingParams, "as_dict")
+    gone = ("def reference_arithmetic", "def best_first_tree", "def as_dict(self) -> dict:\n        return asdict")
+    assert not [(path.name, name) for path in PACKAGE.rglob("*.py") for name in gone if name in path.read_text()]

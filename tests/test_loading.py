@@ -287,10 +287,12 @@ def test_a_drafters_markov_head_is_used_when_asked(model_dirs, tmp_path, monkeyp
     on = ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True)
     assert on.drafter.markov is not None and on.drafter.cfg.markov == (4, 32)
     assert on.drafter.label.endswith("+ Markov head")
-    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "1")
+    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "1")  # where the argument is not given
     assert ddtree.load(target=target_dir, draft=tmp_path / "with-head").drafter.markov is not None
-    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "0")
-    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True).drafter.markov is None
+    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=False).drafter.markov is None
+    monkeypatch.setenv("DDTREE_MARKOV_HEAD", "0")  # the argument beats the environment
+    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True).drafter.markov is not None
+    assert ddtree.load(target=target_dir, draft=tmp_path / "with-head").drafter.markov is None
     monkeypatch.delenv("DDTREE_MARKOV_HEAD")
     with pytest.raises(ConfigError, match="markov_head must be True or False"):
         ddtree.load(target=target_dir, markov_head="no")

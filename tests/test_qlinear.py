@@ -104,10 +104,12 @@ def test_linear_takes_the_kernel_for_skinny_inference_products_only(monkeypatch)
     assert calls == [5] and wg.grad is not None
 
 
-def test_the_kernel_choice_is_a_load_argument_the_environment_overrides(monkeypatch):
-    """load(cpu_kernel=...) names the build ('auto' the CPU's own) or turns it off; DDTREE_CPU_KERNEL=0 turns it
-    off whatever was asked, DDTREE_CPU_ISA forces a build; bad names are refused with the choices."""
+def test_the_kernel_choice_is_a_load_argument_before_the_environment(monkeypatch):
+    """load(cpu_kernel=...) names the build ('auto' the CPU's own) or turns it off; where it is not given,
+    DDTREE_CPU_KERNEL=0 turns it off and DDTREE_CPU_ISA forces a build (read by load only: ddtree/base/options.py);
+    bad names are refused with the choices."""
     import ddtree
+    from ddtree.base.options import LoadOptions
     from ddtree.runtime.cpu import qlinear
 
     for name in ("DDTREE_CPU_KERNEL", "DDTREE_CPU_ISA"):
@@ -115,9 +117,10 @@ def test_the_kernel_choice_is_a_load_argument_the_environment_overrides(monkeypa
     assert qlinear.resolve_cpu_kernel("avx2") == "avx2" and qlinear.resolve_cpu_kernel("off") == "off"
     assert qlinear.resolve_cpu_kernel("auto") in ("avx2", "avx512")
     monkeypatch.setenv("DDTREE_CPU_ISA", "avx2")
-    assert qlinear.resolve_cpu_kernel("auto") == "avx2"
+    assert qlinear.resolve_cpu_kernel(LoadOptions.resolve(cpu_kernel="auto").kernel) == "avx2"
     monkeypatch.setenv("DDTREE_CPU_KERNEL", "0")
-    assert qlinear.resolve_cpu_kernel("avx2") == "off"
+    assert qlinear.resolve_cpu_kernel(LoadOptions.resolve().kernel) == "off"
+    assert qlinear.resolve_cpu_kernel(LoadOptions.resolve(cpu_kernel="avx2").kernel) == "avx2"  # the argument wins
     with pytest.raises(ConfigError, match="unknown cpu_kernel 'sse4'.*auto, avx2, avx512, off"):
         qlinear.resolve_cpu_kernel("sse4")
     with pytest.raises(ConfigError, match="unknown cpu_kernel"):
@@ -270,11 +273,13 @@ def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
     finally:
         qlinear.kernel.cache_clear()
     monkeypatch.undo()
+    from ddtree.base.options import LoadOptions
+
     monkeypatch.setenv("DDTREE_CPU_ISA", "sse4")
     with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='sse4' is not valid"):
-        qlinear.resolve_cpu_kernel()
+        LoadOptions.resolve()
     monkeypatch.setenv("DDTREE_CPU_ISA", "AVX2")
-    assert qlinear.resolve_cpu_kernel() == "avx2"
+    assert qlinear.resolve_cpu_kernel(LoadOptions.resolve().kernel) == "avx2"
 
 
 # --- the compiled kernels in the cache (qlinear.compile_extension, on a tiny extension that builds in seconds) -
@@ -385,22 +390,21 @@ def test_a_complete_build_in_a_read_only_cache_is_used_as_it_is(tmp_path, monkey
 def test_bad_kernel_knobs_are_refused_and_false_turns_it_off(monkeypatch):
     """DDTREE_CPU_ISA=bogus is an error (before: a warning and torch's 2x slower matmuls); DDTREE_CPU_KERNEL
     takes any boolean spelling (before: only "0" turned it off)."""
+    from ddtree.base.options import LoadOptions
     from ddtree.runtime.cpu import qlinear
 
     qlinear.cpu_kernel_available.cache_clear()
     try:
         monkeypatch.setenv("DDTREE_CPU_ISA", "bogus")
-        with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='bogus' is not valid: use one of avx2, avx512"):
-            qlinear.cpu_kernel_available()
+        with pytest.raises(ConfigError, match="DDTREE_CPU_ISA='bogus' is not valid: use one of auto, avx2, avx512"):
+            LoadOptions.resolve()
         monkeypatch.delenv("DDTREE_CPU_ISA")
         for value in ("false", "OFF", "no", "0"):
-            qlinear.cpu_kernel_available.cache_clear()
             monkeypatch.setenv("DDTREE_CPU_KERNEL", value)
-            assert qlinear.cpu_kernel_available() is False
-        qlinear.cpu_kernel_available.cache_clear()
+            assert qlinear.cpu_kernel_available(LoadOptions.resolve().kernel) is False
         monkeypatch.setenv("DDTREE_CPU_KERNEL", "maybe")
         with pytest.raises(ConfigError, match="DDTREE_CPU_KERNEL='maybe' is not a boolean"):
-            qlinear.cpu_kernel_available()
+            LoadOptions.resolve()
     finally:
         qlinear.cpu_kernel_available.cache_clear()
 

@@ -96,7 +96,7 @@ def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp
     """quant='gguf-int8': every product of the stack and of the eager layers quantizes its activations per block
     (kernels/int8_linear.cpp): logits within a few % of the float model's largest (the same greedy tokens here),
     and the stack matches the eager layers on the same kernels within float32 rounding, one row or several."""
-    from ddtree.runtime.cpu.runtime import reference_arithmetic
+    from conftest import reference_arithmetic
     from test_fused import logits
 
     q, f = quantized("qwen3", tmp_path, int8=True), quantizable_target("qwen3")

@@ -231,3 +231,25 @@ def test_benchmark_exit_status_tells_a_crash_from_a_failed_check(monkeypatch, ca
     assert "RuntimeError: a bug" in capsys.readouterr().err
     assert not (tmp_path / ".benchmark.lock").exists()  # the lock goes with the run
     assert benchmark.EXIT_LOSSLESS_FAILED == 1 and benchmark.EXIT_BAD_INPUT == 2
+
+
+def test_a_prompt_over_the_context_is_refused_when_the_plan_is_made(tmp_path):
+    """Issue 55: a prompt longer than the target's context is found by build_plan (before any decoding), named by
+    its file and line, or its built-in dataset and index; before, only the run that reached it refused it, unnamed."""
+    from ddtree.bench.testing import char_tokenizer
+
+    target, drafter = random_pair("llama", seed=9, block_size=4, max_position_embeddings=48)
+    pair = Pair(target, drafter, char_tokenizer())
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "short"}) + "\n\n" + json.dumps({"prompt": "x" * 60}) + "\n")
+    args = SimpleNamespace(target=None, threads=1, repeats=1, max_new_tokens=8, top_p=1.0, top_k=0, block_size=None,
+                           attention="auto", inject_mismatch=False, traces=False, datasets=str(path),
+                           num_prompts=1, temperatures="0", seed=0)
+    assert len(build_plan(args, pair, parse_methods("ddtree:4"))) == 1  # the long prompt is not asked for
+    args.num_prompts = 2
+    with pytest.raises(ConfigError, match=r"p\.jsonl:3: the prompt has \d+ tokens, more than the target's context "
+                                          r"limit of 48"):
+        build_plan(args, pair, parse_methods("ddtree:4"))
+    args.datasets = "humaneval"
+    with pytest.raises(ConfigError, match=r"^dataset humaneval, prompt index 0: the prompt has \d+ tokens"):
+        build_plan(args, pair, parse_methods("ddtree:4"))

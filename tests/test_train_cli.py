@@ -152,3 +152,19 @@ def test_prompts_file_ids_outside_the_vocabulary_and_a_bad_heldout(tmp_path):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", bad])
     assert build_parser().parse_args(["generate-data", "--out", str(tmp_path / "d"), "--heldout", "0.1"]).heldout == 0.1
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_probe_json_to_an_unwritable_path_fails_before_the_probe(tmp_path, monkeypatch, capsys, where):
+    """Issue 55: `train probe --json PATH` checks PATH up front (exit 2); before, it failed after the whole probe."""
+    from ddtree.train import cli
+
+    def load(*args, **kw):
+        raise AssertionError("the probe started")
+
+    monkeypatch.setattr(cli, "load", load)
+    (tmp_path / "file").write_text("")
+    path = tmp_path if where == "a directory" else tmp_path / "file" / "probe.json"
+    assert cli.main(["probe", "--eval-sets", "gsm", "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and ("is a directory" if where == "a directory" else "is a file") in err

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.engine.tree import DraftTree, ancestor_matrix, best_first_nodes, best_first_tree, chain_parents, walk
+from ddtree.engine.tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk
 
 
 def brute_force_best(logprobs: torch.Tensor, budget: int) -> float:
@@ -32,7 +32,7 @@ def test_heap_tree_is_optimal(seed, budget):
     gen = torch.Generator().manual_seed(seed)
     depth, vocab = 3, 4
     logprobs = (torch.randn(depth, vocab, generator=gen) * 2).log_softmax(-1)
-    parents, depths, tokens = best_first_tree(logprobs, budget)
+    parents, depths, tokens, _ = best_first_nodes(logprobs, budget)
     n = min(budget, sum(vocab ** d for d in range(1, depth + 1)))
     assert len(tokens) == n and len(parents) == n + 1 and len(depths) == n + 1
     assert all(parents[i] < i for i in range(1, n + 1)), "every parent precedes its children"
@@ -45,10 +45,10 @@ def test_heap_tree_is_optimal(seed, budget):
 
 def test_budget_larger_than_vocab_and_depth():
     logprobs = torch.randn(2, 3).log_softmax(-1)
-    parents, depths, tokens = best_first_tree(logprobs, 100)
+    parents, depths, tokens, _ = best_first_nodes(logprobs, 100)
     assert len(tokens) == 3 + 9  # the whole tree of depth 2 over 3 tokens
     with pytest.raises(ValueError, match="budget"):
-        best_first_tree(logprobs, 0)
+        best_first_nodes(logprobs, 0)
 
 
 def test_ancestor_matrix_matches_parent_walks():

@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import numbers
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -35,16 +35,6 @@ def check_number(name: str, value) -> float:
 
 
 CPU_KERNELS = ("auto", "avx2", "avx512", "off")  # load(cpu_kernel=...): the CPU kernels' build, or none
-
-
-def add_arithmetic_args(p: argparse.ArgumentParser) -> None:
-    """The CPU runtime's arithmetic choices as command-line flags (load()'s cpu_kernel and gguf_blocks)."""
-    p.add_argument("--cpu-kernel", default="auto", choices=CPU_KERNELS,
-                   help="the CPU kernels' build: auto (this CPU's), avx2, avx512, or off (torch's matmuls only: the "
-                        "reference arithmetic, slower); DDTREE_CPU_KERNEL=0 and DDTREE_CPU_ISA override it")
-    p.add_argument("--no-gguf-blocks", action="store_true",
-                   help="a float target converted from a GGUF reads only its float weights, not the file's exact "
-                        "blocks (the same bits, more bytes; to compare with llama.cpp F32)")
 
 
 def cli_int(low: int):
@@ -225,9 +215,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def read_config(directory: Path) -> dict:

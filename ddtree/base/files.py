@@ -26,6 +26,23 @@ def output_dir(path, what: str, fix: str = "choose another path") -> Path:
     return path
 
 
+def output_file(path, what: str, fix: str = "choose another path") -> Path:
+    """The file `path` that a command writes at its end, checked before any work is done (its folder made and
+    writable, the path not a directory, an existing file writable): a ConfigError otherwise, as output_dir's.
+    An existing file is left as it is."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file: {fix}")
+    output_dir(path.parent, f"the folder of {what}", fix)
+    if path.exists():
+        try:
+            with open(path, "r+b"):  # writable? (opened without truncating)
+                pass
+        except OSError as e:
+            raise ConfigError(f"{what} {path} cannot be written ({e.strerror or e}): {fix}") from None
+    return path
+
+
 def read_jsonl(path, fix: str = "") -> list[tuple[int, object]]:
     """(line number, value) for every non-blank line of a JSONL (or .jsonl.gz) file; a ConfigError naming the
     file and line for one that is not JSON, followed by `fix` (what to do about it) when given."""

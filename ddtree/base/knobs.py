@@ -41,6 +41,20 @@ def env_choice(name: str, choices, default: str | None = None) -> str | None:
     return value.lower()
 
 
+def env_int(name: str, low: int = 1) -> int | None:
+    """An integer variable (>= low), None where unset."""
+    value = env_value(name)
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < low:
+        raise ConfigError(f"{name}={value!r} is not valid: use an integer >= {low} (or unset it)")
+    return number
+
+
 def env_path(name: str, default: Path) -> Path:
     """A folder or file named by the variable, `~` expanded and made absolute (a later chdir does not move it)."""
     value = env_value(name)

@@ -74,6 +74,13 @@ def busy_cores(seconds: float = 0.5) -> float | None:
     return meter.lap()
 
 
+def default_threads(world: int = 1, busy: float | None = None) -> int:
+    """Threads per process, leaving out the cores other processes keep busy (`busy`, busy_cores()): on an idle
+    machine two threads make a plain decoding step faster than one, but threads contending with another busy
+    process run several times slower (OpenMP spin-waits: 0.8-2 tok/s against 62-72 with one thread)."""
+    return max(1, ((os.cpu_count() or 1) - round(busy or 0.0)) // world)
+
+
 def cpu_description() -> str:
     """The CPU as a figure must name it: model (with its family and model numbers: a VM may hide the name),
     cores, and the vector extensions that decide its speed here, e.g.

@@ -17,7 +17,9 @@ anything else is an ERROR, printed loudly, and makes the process exit with statu
 Each record (one prompt x method x configuration) is one JSON line in OUT/records.jsonl (per-rank shards
 records.rank<R>.jsonl under torchrun, merged by rank 0). Records are keyed by a hash of the full configuration;
 a re-run skips prompts whose records all exist, so an interrupted run resumes where it stopped.
-Summaries: OUT/summary.md, summary.tex, summary.json; OUT/last_run.json names the records of the last run.
+Summaries: OUT/summary.md, summary.tex, summary.json; OUT/last_run.json names the records of the last run (a run
+that fails part way writes them too, of the records it finished). Every prompt is checked against the target's
+context when the plan is made, before any decoding (an error names its file and line, or dataset and index).
 With --traces, OUT/traces.jsonl gets one line per decoding step (the tree, the target's choices, the accepted
 path: traces.py), keyed like the records; plot_results.py draws acceptance by depth and sibling rank from it.
 
@@ -43,11 +45,12 @@ import torch
 
 from .. import api
 from ..api import QUANTS
-from ..base.config import ConfigError, add_arithmetic_args, cli_int
+from ..base.config import ConfigError, cli_int
+from ..base.options import LoadOptions, add_model_args, load_options_from
 from ..base.cache import build_lock
-from .datasets import dataset_name, load_prompt_items
+from .datasets import dataset_name, load_prompt_entries
 from ..base.files import output_dir
-from ..base.machine_load import LoadMeter, busy_cores, cpu_description
+from ..base.machine_load import LoadMeter, busy_cores, cpu_description, default_threads
 from ..engine.method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
 from .runner import LOAD_LIMIT, SPREAD_LIMIT, RunSettings, run_prompt, summarize_methods
@@ -112,23 +115,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed of prompt i is SEED + i")
-    p.add_argument("--target", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", help="DFlash drafter directory (default: the shipped one, else untrained)")
-    p.add_argument("--markov-head", action="store_true",
-                   help="use the drafter's Markov head: each tree node's children from its own conditional "
-                        "(ddtree/models/markov.py; DDTREE_MARKOV_HEAD=1 too)")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", help="float32 or bfloat16 (default: the engine's choice for the device)")
-    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"])
+    add_model_args(p, quant=False)  # the CLI's model flags (ddtree/base/options.py); --quant is the modes below
     p.add_argument("--quant", metavar="MODES",
                    help="target modes, comma-separated, each a full run of every method beside the others: float "
                         "(the reference model, float activations), gguf (the target's GGUF's own Q4_1 / Q8_0 blocks, "
                         "float32 activations), gguf-int8 (the same blocks with int8 activations: llama.cpp's "
                         "arithmetic); auto = float,gguf-int8 on a CPU with a GGUF target, float elsewhere "
                         "(default: the preset's: auto; --tiny: float)")
-    add_arithmetic_args(p)
-    p.add_argument("--threads", type=cli_int(1),
-                   help="torch CPU threads per process (default: the cores other processes leave free / processes)")
     p.add_argument("--sync-stages", action="store_true",
                    help="on CUDA: synchronize at every stage edge, so each stage column carries its own GPU time "
                         "(off: the columns are host times and the speed figures are measured without the syncs)")
@@ -157,7 +150,8 @@ def target_modes(text: str, args) -> list[str]:
     if text.strip() == "auto":
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            api.check_quant("gguf-int8", args.target, device, args.dtype, api.resolve_cpu_kernel(args.cpu_kernel))
+            api.check_quant("gguf-int8", args.target, device, args.dtype,
+                            api.resolve_cpu_kernel(LoadOptions.resolve(cpu_kernel=args.cpu_kernel).kernel))
         except ConfigError:
             return ["float"]
         return ["float", "gguf-int8"]
@@ -195,6 +189,22 @@ def dtype_label(pair) -> str:
     return str(pair.dtype).removeprefix("torch.") + (f" {quant}" if quant else "")
 
 
+def check_context(pair, items) -> None:
+    """Every prompt (load_prompt_entries' items) within the target's context, found when the plan is made, before
+    any decoding: a ConfigError naming the first one that is not, by its file and line or dataset and index."""
+    if pair.tokenizer is None:  # the runs refuse a text prompt themselves (the prompt's length is unknown)
+        return
+    limit = pair.target.cfg.max_position_embeddings
+    for prompt, _, where in items:
+        try:
+            n = len(pair.encode(prompt, chat=RunSettings.chat))  # as the runs encode it: in the chat template
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        if n > limit:
+            raise ConfigError(f"{where}: the prompt has {n} tokens, more than the target's context limit of {limit}; "
+                              "shorten it or leave it out")
+
+
 def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     """One group per dataset x temperature x prompt of target mode `mode` (run on `pair`); each group lists a
     keyed record slot per method."""
@@ -206,9 +216,10 @@ def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     groups = []
     for spec in args.datasets.split(","):
         name = dataset_name(spec)
-        items = load_prompt_items(spec, args.num_prompts)
+        items = load_prompt_entries(spec, args.num_prompts)
+        check_context(pair, items)
         for temperature in parse_floats(args.temperatures, "--temperatures"):
-            for index, (prompt, stop) in enumerate(items):
+            for index, (prompt, stop, _) in enumerate(items):
                 prompt_sha = hashlib.sha1(prompt.encode()).hexdigest()[:12]
                 peers_run = RunSettings(temperature=temperature, stop=stop).peers_run  # hf, llamacpp: greedy, no stops
                 slots = [dict(method=s.label, spec=s, key=record_key(
@@ -352,13 +363,6 @@ def shout_error(rec: dict) -> None:
     bar = "!" * 100
     print(f"\n{bar}\nLOSSLESS CHECK FAILED: {rec['dataset']} T={rec['temperature']:g} prompt {rec['prompt_index']} "
           f"{rec['method']}: {rec.get('check_detail', '')}\n{bar}", file=sys.stderr, flush=True)
-
-
-def default_threads(world: int, busy: float | None = None) -> int:
-    """Cores per process, leaving out the cores other processes keep busy (`busy`, machine_load.busy_cores): on
-    an idle machine two threads make a plain decoding step faster than one, but threads contending with another
-    busy process run several times slower (OpenMP spin-waits)."""
-    return max(1, ((os.cpu_count() or 1) - round(busy or 0.0)) // world)
 
 
 def init_distributed(args) -> tuple[int, int]:
@@ -650,12 +654,11 @@ def _main(args) -> int:
 
     rank, world = init_distributed(args)
     busy = busy_cores(0.5)
-    if not args.threads:
-        args.threads = default_threads(world, busy)
+    if not args.threads:  # else DDTREE_THREADS, else the cores other processes leave free, shared by the processes
+        args.threads = LoadOptions.resolve().threads or default_threads(world, busy)
     if busy is not None and busy > LOAD_LIMIT and rank == 0:
         say(f"other processes keep {busy:.1f} cores busy: {args.threads} thread(s) per process; runs that meet a "
             "busy machine are timed again once and flagged if still busy")
-    torch.set_num_threads(args.threads)
     out = output_dir(args.out, "--out")
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     modes = target_modes(args.quant, args)
@@ -668,14 +671,45 @@ def _nothing():
     yield
 
 
+def write_results(args, out: Path, plan: list[dict], specs, envs: dict) -> tuple[list[dict], list[dict], dict, str]:
+    """The summaries and last_run.json of the plan's records found in OUT: (those records, the rows, the
+    environment, summary.md's text)."""
+    records = load_records(out)
+    planned = [records[s["key"]] for g in plan for s in g["slots"] if s["key"] in records]
+    rows = summarize(planned, specs)
+    env = dict(next(iter(envs.values())), modes={mode: e["dtype"] for mode, e in envs.items()}, repeats=args.repeats)
+    text = write_summaries(out, rows, env)
+    (out / "last_run.json").write_text(json.dumps({"keys": [r["key"] for r in planned], "env": env,
+                                                   "args": vars(args)}, indent=1, default=str) + "\n")
+    return planned, rows, env, text
+
+
+@contextmanager
+def _summary_if_failed(args, out: Path, plan: list[dict], specs, envs: dict, rank: int):
+    """When the runs fail part way (an error, not an interrupt), rank 0 still writes the summaries of the records
+    finished so far, then the error goes on."""
+    try:
+        yield
+    except Exception:
+        if rank == 0:
+            try:
+                records = load_records(out)
+                if any(s["key"] in records for g in plan for s in g["slots"]):
+                    planned = write_results(args, out, plan, specs, envs)[0]
+                    say(f"the runs failed part way: {out}/summary.md summarizes the {len(planned)} finished "
+                        "record(s)")
+            except Exception as e:  # noqa: BLE001 - never hide the failure itself
+                say(f"(no summary of the finished records: {type(e).__name__}: {e})")
+        raise
+
+
 def _run(args, rank, world, out, specs, modes, tqdm) -> int:
     if rank != 0:
         barrier(world)  # rank 0 loads first: the first load converts the GGUF into the shared cache
     pairs = {}  # target mode -> its pair; every mode is loaded up front, so its prompts interleave with the others'
     for mode in modes:
-        pairs[mode] = api.load(args.target, args.draft, args.device, args.dtype, args.attention,
-                               quant=None if mode == "float" else mode, cpu_kernel=args.cpu_kernel,
-                               gguf_blocks=not args.no_gguf_blocks, markov_head=args.markov_head)
+        # the CLI's load arguments (load sets torch's threads to args.threads), with this mode's quant
+        pairs[mode] = api.load(**dict(load_options_from(args), quant=None if mode == "float" else mode))
         pairs[mode].decoder.sync_stages = args.sync_stages
     if rank == 0:
         barrier(world)
@@ -709,7 +743,8 @@ def _run(args, rank, world, out, specs, modes, tqdm) -> int:
         say(f"estimated time for the {progress.total} runs: {_minutes(estimate_seconds(warm, todo, args))} "
             f"(from the warm-up's {WARMUP_TOKENS}-token runs; re-estimated after the first prompt)")
     inject = [True] if args.inject_mismatch else []  # consumed by the first ddtree run
-    with open(shard, "a", encoding="utf-8") as sink, open(trace_shard, "a", encoding="utf-8") as traces:
+    with open(shard, "a", encoding="utf-8") as sink, open(trace_shard, "a", encoding="utf-8") as traces, \
+            _summary_if_failed(args, out, plan, specs, envs, rank):
         for path, f in ((shard, sink), (trace_shard, traces)):
             if f.tell() and not path.read_bytes().endswith(b"\n"):
                 f.write("\n")  # a crash cut the last line short: never glue a new record onto it
@@ -755,13 +790,7 @@ def _run(args, rank, world, out, specs, modes, tqdm) -> int:
         return EXIT_LOSSLESS_FAILED if errors else 0
     if world > 1:
         merge_shards(out)
-    records = load_records(out)
-    planned = [records[s["key"]] for g in plan for s in g["slots"] if s["key"] in records]
-    rows = summarize(planned, specs)
-    env = dict(envs[modes[0]], modes={mode: e["dtype"] for mode, e in envs.items()}, repeats=args.repeats)
-    text = write_summaries(out, rows, env)
-    (out / "last_run.json").write_text(json.dumps({"keys": [r["key"] for r in planned], "env": env,
-                                                   "args": vars(args)}, indent=1, default=str) + "\n")
+    planned, rows, env, text = write_results(args, out, plan, specs, envs)
     print(text)
     if args.update_readme:
         update_readme(Path(args.update_readme), readme_table(rows, env))

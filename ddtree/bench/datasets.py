@@ -111,11 +111,11 @@ def _load_file(name: str, path: Path):
 
 
 def _read_jsonl(path: Path) -> list[str]:
-    return [prompt for prompt, _ in _read_items(path)]
+    return [prompt for prompt, _, _ in _read_items(path)]
 
 
-def _read_items(path: Path) -> list[tuple[str, tuple[str, ...]]]:
-    """(prompt, stop strings) per line."""
+def _read_items(path: Path) -> list[tuple[str, tuple[str, ...], str]]:
+    """(prompt, stop strings, "path:line") per line."""
     prompts = []
     for line_no, item in read_jsonl(path):
         stop = ()
@@ -137,7 +137,13 @@ def _read_items(path: Path) -> list[tuple[str, tuple[str, ...]]]:
                               f"{{\"question\": \"...\"}} or {{\"turns\": [\"...\", ...]}}")
         if not item.strip():  # found now, not when the benchmark reaches it
             raise ConfigError(f"{path}:{line_no}: the prompt is empty")
-        prompts.append((item, stop))
+        for what, text in [("the prompt", item)] + [("a stop string", s) for s in stop]:
+            try:  # JSON's "\ud800" escape gives a lone surrogate, which no tokenizer (nor a hash) takes
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"{path}:{line_no}: {what} is not valid Unicode ({e.reason}: "
+                                  f"{text[e.start:e.end]!r} at character {e.start}); fix the text") from None
+        prompts.append((item, stop, f"{path}:{line_no}"))
     return prompts
 
 
@@ -148,19 +154,22 @@ def dataset_name(spec: str) -> str:
 
 def load_prompts(spec: str, n: int) -> list[str]:
     """The first n prompts of a built-in dataset or a JSONL file (fewer if the set is smaller)."""
-    return [prompt for prompt, _ in load_prompt_items(spec, n)]
+    return [prompt for prompt, _, _ in load_prompt_entries(spec, n)]
 
 
 def load_prompt_items(spec: str, n: int) -> list[tuple[str, tuple[str, ...]]]:
     """load_prompts(), each prompt with its stop strings (a JSONL line's "stop"; none for the built-in sets)."""
+    return [(prompt, stop) for prompt, stop, _ in load_prompt_entries(spec, n)]
+
+
+def load_prompt_entries(spec: str, n: int) -> list[tuple[str, tuple[str, ...], str]]:
+    """load_prompt_items(), each with where the prompt comes from, for messages: "PATH:LINE" of a JSONL file,
+    "dataset NAME, prompt index I" (0-based) of a built-in set."""
     if n < 1:
         raise ConfigError(f"number of prompts must be >= 1, got {n}")
-    if spec == "humaneval":
-        prompts = [(p, ()) for p in humaneval(n)]
-    elif spec == "mt-bench":
-        prompts = [(p, ()) for p in mt_bench(n)]
-    elif spec == "gsm":
-        prompts = [(p, ()) for p in gsm(n)]
+    if spec in DATASETS:
+        texts = humaneval(n) if spec == "humaneval" else mt_bench(n) if spec == "mt-bench" else gsm(n)
+        prompts = [(p, (), f"dataset {spec}, prompt index {i}") for i, p in enumerate(texts)]
     elif Path(spec).is_file():
         prompts = _read_items(Path(spec))[:n]
     elif Path(spec).suffix in (".jsonl", ".json", ".gz") or "/" in spec or Path(spec).exists():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime.cpu.quant_target import int8_activations
 from ..engine.method_spec import REFERENCE, MethodSpec
 from ..engine.stats import STAGES
 
@@ -67,7 +66,7 @@ def run_prompt(pair, prompt, specs: list[MethodSpec], settings: RunSettings, see
         if tamper is not None:  # stats' bare name
             tokens = tamper(spec, tokens, rec)
         check = spec.info.check
-        if spec.info.peer and int8_activations(pair.target.quant):
+        if spec.info.peer and pair.options.int8:
             check = "agreement"  # a peer runs the float model; the target's int8 activations are another function
         if check == "reference":
             reference, rec["check"] = (res.prompt_ids, tokens), "reference"

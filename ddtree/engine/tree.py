@@ -33,19 +33,6 @@ def chain_parents(n: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(-1, n - 1, dtype=np.int64), np.arange(n, dtype=np.int64)
 
 
-def best_first_tree(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """Pick the `budget` draft paths with the highest probability under the drafter's per-position factorization.
-
-    logprobs: [depth, V] log-probabilities for block positions 1..depth. A node is a path of ranks (one per
-    depth) scored by the sum of its ranks' log-probs. Popping the best node and pushing its next-rank sibling
-    and its rank-0 child visits nodes in non-increasing score order; since a child never outscores its parent,
-    the first `budget` pops form a tree that maximizes the summed node probability (expected accepted length).
-    Returns parents [budget + 1], depths [budget + 1] (root included) and the budget nodes' token ids.
-    """
-    parents, depths, tokens, _ = best_first_nodes(logprobs, budget)
-    return parents, depths, tokens
-
-
 # A top-k over the whole vocabulary is the dominant cost of a build on a CPU and grows with k, while a best-first tree rarely reads deep ranks at most
 # depths. So every depth first gets its top FIRST_RANKS; a depth the heap reads past them is fetched again with
 # the full top-k (one row, once). The heap sees exactly the ranks a full top-k would give.
@@ -77,7 +64,14 @@ class _Ranks:
 
 
 def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
-    """`best_first_tree` plus each draft node's path log-probability [budget], in pop order (non-increasing).
+    """Pick the `budget` draft paths with the highest probability under the drafter's per-position factorization.
+
+    logprobs: [depth, V] log-probabilities for block positions 1..depth. A node is a path of ranks (one per
+    depth) scored by the sum of its ranks' log-probs. Popping the best node and pushing its next-rank sibling
+    and its rank-0 child visits nodes in non-increasing score order; since a child never outscores its parent,
+    the first `budget` pops form a tree that maximizes the summed node probability (expected accepted length).
+    Returns parents [budget + 1], depths [budget + 1] (root included), the budget nodes' token ids and each draft
+    node's path log-probability [budget], in pop order (non-increasing).
     Any prefix of the pop order is itself a tree: the first b nodes are the best tree of budget b.
     kernels/tree.cpp's best_first_tree is the same heap in C++ (the engine's on a CPU runtime); equal log-probs
     within a depth are ordered there by token id, here as torch.topk returns them."""

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from ..base.config import ConfigError
 from ..base.kernel_files import kernel_module
-from ..base.knobs import env_choice
 
 BACKENDS = ("auto", "sdpa", "triton")
 
@@ -81,10 +80,9 @@ def window_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None,
 
 def resolve_backend(name: str, device) -> str:
     """The backend every pass of a model on `device` will use, decided once when the model is loaded.
-    'auto': $DDTREE_ATTENTION when set, else the Triton kernel on CUDA (when triton imports) and SDPA
-    elsewhere. 'triton' where it cannot run is an error, never a silent fallback."""
-    if name == "auto":
-        name = env_choice("DDTREE_ATTENTION", BACKENDS, "auto")
+    'auto': the Triton kernel on CUDA (when triton imports) and SDPA elsewhere (load() puts $DDTREE_ATTENTION in
+    `name` where no backend was asked for: ddtree/base/options.py). 'triton' where it cannot run is an error,
+    never a silent fallback."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     cuda = torch.device(device).type == "cuda"

@@ -29,7 +29,7 @@ from ..base.config import ConfigError, cli_int
 from ..bench.datasets import load_prompts
 from ..models.drafter import DFlashDrafter, untrained_drafter
 from ..models.markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
-from ..base.files import output_dir, read_jsonl
+from ..base.files import output_dir, output_file, read_jsonl
 from ..models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                        resolve_target_dir, stop_token_ids)
 from ..runtime.cpu.qlinear import po2_q8
@@ -520,7 +520,10 @@ def cmd_probe(args) -> int:
         raise ConfigError(f"--budgets must lie in 1..--top-k ({args.top_k}), got {args.budgets}")
     if not args.data and not args.eval_sets:
         raise ConfigError("nothing to probe: give --data DIR ... and/or --eval-sets humaneval,mt-bench,gsm")
-    pair = load(args.target, args.draft, args.device, args.dtype or "float32", markov_head=args.markov_head)
+    if args.json:
+        output_file(args.json, "--json")  # an unwritable path fails here, not after the probe
+    pair = load(args.target, args.draft, args.device, args.dtype or "float32",
+                markov_head=args.markov_head or None)  # not given: DDTREE_MARKOV_HEAD decides (options.py)
     seqs = _answers(pair, args, greedy_only=True)  # a sampled answer is not the target's continuation at T=0
     if not seqs:
         raise ConfigError(f"no greedy {args.split} answers in {', '.join(args.data)}")

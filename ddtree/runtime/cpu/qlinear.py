@@ -29,7 +29,6 @@ from torch import nn
 from ...base.cache import build_lock, cache_root, import_library, notice, read_manifest, replacing_dir, seal, verify
 from ...base.config import CPU_KERNELS, ConfigError
 from ...base.kernel_files import kernel_dir
-from ...base.knobs import env_choice, env_flag
 
 BLOCK = 32  # weights per GGUF block (Q4_1 and Q8_0)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # fp16 d (, fp16 m), then the 32 weights' bits
@@ -47,15 +46,10 @@ def resolve_cpu_kernel(choice: str = "auto") -> str:
     """The kernel build a load runs: "avx2", "avx512", or "off" (torch's matmuls everywhere: the reference
     arithmetic, slower). choice is load()'s cpu_kernel; "auto" is "avx512" where torch reports AVX512 (F, BW, VL,
     DQ: the build then also uses the 16 extra vector registers, which let one pass take more rows), else "avx2".
-    The environment overrides it (read here, once per load): DDTREE_CPU_KERNEL=0 turns it off, DDTREE_CPU_ISA
-    forces a build. Both builds give the same bits."""
+    Both builds give the same bits. The environment (DDTREE_CPU_KERNEL, DDTREE_CPU_ISA) is read by load() only,
+    into `choice` (ddtree/base/options.py)."""
     if choice not in CPU_KERNELS:
         raise ConfigError(f"unknown cpu_kernel {choice!r}; choose one of {', '.join(CPU_KERNELS)}")
-    if not env_flag("DDTREE_CPU_KERNEL", True):
-        return "off"
-    forced = env_choice("DDTREE_CPU_ISA", ISAS)
-    if forced:
-        return forced
     if choice == "auto":
         return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
     return choice
@@ -65,7 +59,7 @@ def resolve_cpu_kernel(choice: str = "auto") -> str:
 def cpu_kernel_available(choice: str = "auto") -> bool:
     """Can float32 CPU products use the kernel? Not where resolve_cpu_kernel(choice) is "off", without AVX2, or
     where it does not build (then once a warning, and torch's GEMM everywhere: slower, equally exact). A bad
-    choice or value of DDTREE_CPU_KERNEL / DDTREE_CPU_ISA is an error, not a slower fallback."""
+    choice is an error, not a slower fallback."""
     if resolve_cpu_kernel(choice) == "off":
         return False
     try:
@@ -84,7 +78,7 @@ def kernel(choice: str = "auto"):
     isa = resolve_cpu_kernel(choice)
     if isa == "off":
         raise ConfigError("the CPU kernel is turned off (cpu_kernel='off' or DDTREE_CPU_KERNEL=0), and this needs it")
-    if isa == "avx512" and choice == "auto" and not env_choice("DDTREE_CPU_ISA", ISAS):
+    if isa == "avx512" and choice == "auto":  # chosen here, not asked for: the AVX2 build may serve
         try:
             return build_kernel(isa)
         except ConfigError as e:

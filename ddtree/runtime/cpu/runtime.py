@@ -13,15 +13,10 @@ lossless tests): the stack sums every output in the row kernel's one order, what
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ...base.config import ConfigError
-from ...models.fused import FusedLinear
-from ...base.knobs import env_flag
 from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
 from ...models.protocol import RowLogits, TargetOutput
 from ...models.target import TargetModel
@@ -344,53 +339,17 @@ class CPUDrafter(RuntimeWrapper):
             raise ConfigError(STALE)
 
 
-class _RuntimeLinear(nn.Module):
-    """A linear layer's place taken by the runtime's Linear (reference_arithmetic), holding the same weight and bias
-    (the same parameters, in the same order: the weights' guard sees the same model)."""
-
-    def __init__(self, layer: nn.Module, kernel):
-        super().__init__()
-        self.weight, self.bias = layer.weight, layer.bias
-        self.impl = Linear(layer.weight, kernel, bias=layer.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.impl(x)
-
-
-@contextmanager
-def reference_arithmetic(runtime: "CPUTarget | CPUDrafter"):
-    """While it lasts, the wrapper's passes run its reference's eager layers (no stack), with every linear layer on
-    the runtime's Linear (the row kernel's sums): the arithmetic that the stack is held bit-equal to by the tests.
-    The reference's modules are restored afterwards, untouched."""
-    linears = [(module, name, child) for module in runtime.reference.modules()
-               for name, child in module._modules.items()
-               if isinstance(child, (nn.Linear, FusedLinear, qlinear.QLinear)) and name != "lm_head"]  # the runtime's
-    saved = {name: getattr(runtime, name) for name in ("stack", "context") if name in runtime._OWN}
-    try:
-        for module, name, child in linears:  # not setattr: no registration, so the weights' guard sees no change
-            module._modules[name] = _RuntimeLinear(child, runtime.kernel)
-        for name in saved:
-            object.__setattr__(runtime, name, None)
-        yield runtime
-    finally:
-        for module, name, child in linears:
-            module._modules[name] = child
-        for name, value in saved.items():
-            object.__setattr__(runtime, name, value)
-
-
 def cpu_target(model, cpu_kernel: str = "auto", quant_gguf=None, source_gguf=None, conversion=None,
                gguf_blocks: bool = True, int8: bool = False):
     """The target as it runs: the CPU runtime over `model` where it applies (applies()), else `model` itself.
     quant_gguf: run the layers on that GGUF's blocks (quant='gguf'; with int8, quant='gguf-int8': activations
     quantized to int8 per block, llama.cpp's arithmetic); source_gguf + conversion: the GGUF a float
-    target was converted from, whose exact blocks serve its narrow passes unless gguf_blocks is False (or
-    DDTREE_GGUF_BLOCKS is)."""
+    target was converted from, whose exact blocks serve its narrow passes unless gguf_blocks is False (load()'s
+    options: the argument, else DDTREE_GGUF_BLOCKS)."""
     if not applies(model):
         return model
     quant = quantize_target(model, quant_gguf, int8) if quant_gguf is not None else None
     blocks = None
-    gguf_blocks = gguf_blocks and env_flag("DDTREE_GGUF_BLOCKS", True)  # the environment overrides True
     if (quant_gguf is None and source_gguf is not None and gguf_blocks and model.fused
             and qlinear.cpu_kernel_available(cpu_kernel)):
         blocks = exact_blocks.find(model, source_gguf, conversion)

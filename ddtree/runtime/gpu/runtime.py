@@ -28,7 +28,6 @@ import torch
 from ...models.attention import Visibility
 from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
 from ...models.protocol import TargetOutput
-from ...base.knobs import env_choice
 from ...models.target import TargetModel
 from ...models.wrapping import RuntimeWrapper
 
@@ -37,9 +36,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # padded pass sizes; larger p
 
 def applies(model) -> bool:
     """The runtime runs the own-code target on a CUDA device with the Triton attention backend (the kernel that
-    reads the past length on the device); it is off with DDTREE_CUDA_GRAPHS=0 (read when a pair is made)."""
-    return (isinstance(model, TargetModel) and model.device.type == "cuda" and model.attention_backend == "triton"
-            and env_choice("DDTREE_CUDA_GRAPHS", ("0", "1"), "1") == "1")
+    reads the past length on the device). A pair loaded with cuda_graphs=False (or DDTREE_CUDA_GRAPHS=0) does not
+    attach it (api.Pair, from load()'s options)."""
+    return isinstance(model, TargetModel) and model.device.type == "cuda" and model.attention_backend == "triton"
 
 
 def bucket(n: int) -> int | None:
