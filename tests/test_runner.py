@@ -184,6 +184,7 @@ def test_merge_repeats_keeps_the_first_runs_tokens_and_the_worst_check():
     assert [t["seconds"] for t in merged["repeats"]] == [1.0, 3.0, 2.0]
     assert merged["check"] == "error" and merged["check_detail"] == "bad" and merged["repeats_differ"]
     assert merged["token_ids"] == [1, 2] and merged["decode_seconds"] == pytest.approx(1.8)
+    assert merged["decode_tokens_per_second"] == pytest.approx(9 / 1.8)  # from the median times, not run 1's
 
 
 def test_headline_tables_best_fixed_budget_and_the_readme(tmp_path):

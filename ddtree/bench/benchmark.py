@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
@@ -53,7 +53,7 @@ from ..base.files import output_dir
 from ..base.machine_load import LoadMeter, busy_cores, cpu_description, default_threads
 from ..engine.method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
-from .runner import LOAD_LIMIT, SPREAD_LIMIT, RunSettings, run_prompt, summarize_methods
+from .runner import LOAD_LIMIT, SPREAD_LIMIT, RunSettings, run_prompt, summarize_methods, timings
 from ..engine.stats import STAGES
 
 # Presets: values used for options not given on the command line.
@@ -319,6 +319,9 @@ def merge_repeats(runs: list[dict]) -> dict:
                             for stage in first["stage_seconds"]}
     rec["tokens_per_second"] = rec["new_tokens"] / rec["seconds"] if rec["seconds"] else 0.0
     rec["decode_seconds"] = max(0.0, rec["seconds"] - rec["time_to_first_token"])
+    rec["decode_tokens_per_second"] = (  # GenerationStats' rule, on the median times
+        (rec["new_tokens"] - 1) / rec["decode_seconds"]
+        if rec["new_tokens"] >= 2 and rec["decode_seconds"] > 0 and rec["time_to_first_token"] > 0 else 0.0)
     loads = [r["load"] for r in runs if r.get("load") is not None]
     rec["load"] = max(loads) if loads else None
     failed = next((r for r in runs if r["check"] == "error"), None)  # a failed check in any run fails the record
@@ -643,7 +646,7 @@ def group_state(group: dict, runs: dict, repeats: int, attempts: int) -> GroupSt
     mine = [runs.get(s["key"], {}).get(latest, {}) for s in group["slots"]]
     lacking = sorted({i for i in range(repeats) for have in mine if i not in have})
     lines = [line for have in mine for line in have.values()]
-    busy = any((t.get("load") or 0.0) > LOAD_LIMIT for line in lines for t in line.get("repeats") or [line])
+    busy = any((t["load"] or 0.0) > LOAD_LIMIT for line in lines for t in timings(line))
     if lacking or not busy or latest >= attempts or any(line["check"] == "error" for line in lines):
         return GroupState(latest, lacking, busy)
     return GroupState(latest + 1, list(range(repeats)), busy)
@@ -662,13 +665,8 @@ def _main(args) -> int:
     out = output_dir(args.out, "--out")
     specs = available(parse_methods(args.methods, args.budgets))  # llamacpp without llama-cpp-python: skipped, said
     modes = target_modes(args.quant, args)
-    with build_lock(out / ".benchmark.lock", f"the results folder {out}", wait=False) if rank == 0 else _nothing():
+    with build_lock(out / ".benchmark.lock", f"the results folder {out}", wait=False) if rank == 0 else nullcontext():
         return _run(args, rank, world, out, specs, modes, tqdm)
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def write_results(args, out: Path, plan: list[dict], specs, envs: dict) -> tuple[list[dict], list[dict], dict, str]:

@@ -12,6 +12,7 @@ flagged (summarize_methods). The plots read the same rows.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from ..engine.method_spec import REFERENCE, MethodSpec
@@ -119,15 +120,9 @@ def _rates(recs: list[dict], repeat: int) -> tuple[float, float | None]:
     return rate, decode
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _spread(values: list[float]) -> float:
     """(max - min) / median: how far apart the repeats' figures are, relative to their median."""
-    middle = _median(values)
+    middle = statistics.median(values)
     return (max(values) - min(values)) / middle if middle else 0.0
 
 
@@ -172,10 +167,10 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
             seconds=sum(r["seconds"] for r in recs),
             tau=sum(sum(r["acceptance_lengths"]) for r in recs) / max(1, steps),
             mean_nodes=sum(sum(r.get("tree_sizes", [])) for r in recs) / max(1, steps),
-            tokens_per_second=_median([r for r, _ in own]),
-            decode_tokens_per_second=(_median([d for _, d in own]) if all(d is not None for _, d in own) else None),
-            speedup=_median(speedups), speedup_range=[min(speedups), max(speedups)],
-            decode_speedup=_median(decode_speedups) if decode_speedups else None,
+            tokens_per_second=statistics.median([r for r, _ in own]),
+            decode_tokens_per_second=(statistics.median([d for _, d in own]) if all(d is not None for _, d in own) else None),
+            speedup=statistics.median(speedups), speedup_range=[min(speedups), max(speedups)],
+            decode_speedup=statistics.median(decode_speedups) if decode_speedups else None,
             decode_speedup_range=[min(decode_speedups), max(decode_speedups)] if decode_speedups else None,
             spread=spread, ar_spread=ar_spread, load=load,
             flagged=flag_reason(_spread(speedups), ar_spread, load, repeats),
