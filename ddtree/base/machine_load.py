@@ -77,7 +77,7 @@ def busy_cores(seconds: float = 0.5) -> float | None:
 def default_threads(world: int = 1, busy: float | None = None) -> int:
     """Threads per process, leaving out the cores other processes keep busy (`busy`, busy_cores()): on an idle
     machine two threads make a plain decoding step faster than one, but threads contending with another busy
-    process run several times slower (OpenMP spin-waits: 0.8-2 tok/s against 62-72 with one thread)."""
+    process run many times slower (OpenMP spin-waits)."""
     return max(1, ((os.cpu_count() or 1) - round(busy or 0.0)) // world)
 
 
