@@ -13,8 +13,8 @@ from .models.attention import Visibility
 from .engine.checker import Verdict, check_tokens
 from .base.config import ConfigError, SamplingParams
 from .runtime.cpu.qlinear import resolve_cpu_kernel
-from .runtime.cpu.runtime import attach, cpu_target
-from .runtime.gpu import runtime as gpu_runtime
+from .runtime.attach import attach
+from .runtime.cpu.runtime import cpu_target
 from .models.drafter import DFlashDrafter, untrained_drafter, warn_untrained
 from .engine.decoder import Decoder, Method, make_method
 from .base.hub import resolve as resolve_hub
@@ -80,9 +80,7 @@ class Pair:
         # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/runtime/gpu/runtime.py) unless
         # options.cuda_graphs is False. A pair made by hand takes the defaults; load() resolves its options.
         self.options = LoadOptions() if options is None else options
-        target, drafter = attach(target, drafter)
-        if self.options.cuda_graphs:
-            target, drafter = gpu_runtime.attach(target, drafter)
+        target, drafter = attach(target, drafter, self.options)
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)

@@ -34,6 +34,7 @@ from ddtree.models.attention import Visibility  # noqa: E402
 from ddtree.engine.checker import check_tokens  # noqa: E402
 from ddtree.base.config import ModelConfig, SamplingParams  # noqa: E402
 from ddtree.engine.decoder import Decoder, make_method  # noqa: E402
+from ddtree.models.protocol import reference  # noqa: E402
 from ddtree.runtime.gpu import runtime as gpu  # noqa: E402
 
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -175,7 +176,7 @@ def main():
         from ddtree.bench.datasets import load_prompts
 
         pair = ddtree.load(device=DEV)
-        ref_t, ref_d = getattr(pair.target, "reference", pair.target), getattr(pair.drafter, "reference", pair.drafter)
+        ref_t, ref_d = reference(pair.target), reference(pair.drafter)
         if SMOKE:  # the CPU's own runtime aside: the reference with the interpreted kernel
             ref_t.attention_backend = ref_d.attention_backend = "triton"
         prompts = [pair.encode(p) for name in args.datasets for p in load_prompts(name, args.prompts)]

@@ -19,6 +19,7 @@ from ddtree.runtime.cpu import qlinear
 from ddtree.base.config import SamplingParams
 from ddtree.models.drafter import untrained_drafter
 from ddtree.models.fused import FusedLinear
+from ddtree.models.protocol import reference as reference_model
 from ddtree.runtime.cpu.runtime import Linear
 from ddtree.engine.decoder import Decoder, make_method
 from ddtree.bench.testing import random_pair, random_target
@@ -74,7 +75,8 @@ def plant_oracle(drafter, reference: list[int], seed: int = 0, top1: float = 0.6
                     logits[i - 1, reference[pos]] += 1e-4
         if self.cfg.reduced_vocab:  # a reduced draft vocabulary drafts only its own tokens: keep their columns
             logits = logits[:, torch.arange(self.cfg.draft_vocab_size) + self.d2t.cpu()]
-        return logits.to(self.fc.weight.device, self.fc.weight.dtype)
+        weight = reference_model(self).fc.weight
+        return logits.to(weight.device, weight.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
     return drafter
@@ -118,7 +120,7 @@ def repeating_target():
     greedy continuation repeats the last token, which a drafter can learn in a few dozen steps."""
     target = random_target("llama", seed=7, init_scale=0.3)
     with torch.no_grad():
-        for layer in target.model.layers:
+        for layer in target.model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
     return target
@@ -152,10 +154,11 @@ class _RuntimeLinear(nn.Module):
     def __init__(self, layer: nn.Module, kernel):
         super().__init__()
         self.weight, self.bias = layer.weight, layer.bias
-        self.impl = Linear(layer.weight, kernel, bias=layer.bias)
+        self.impl = Linear(layer.weight, kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.impl(x)
+        y = self.impl(x)
+        return y if self.bias is None else y + self.bias
 
 
 @contextmanager
@@ -164,18 +167,18 @@ def reference_arithmetic(runtime):
     with every linear layer on the runtime's Linear (the row kernel's sums): the arithmetic that the stack is held
     bit-equal to by the tests. The reference's modules are restored afterwards, untouched. (A test oracle: it
     lived in ddtree/runtime/cpu/runtime.py, which never used it.)"""
-    linears = [(module, name, child) for module in runtime.reference.modules()
+    linears = [(module, name, child) for module in runtime.model.modules()
                for name, child in module._modules.items()
                if isinstance(child, (nn.Linear, FusedLinear, qlinear.QLinear)) and name != "lm_head"]  # the runtime's
-    saved = {name: getattr(runtime, name) for name in ("stack", "context") if name in runtime._OWN}
+    saved = {name: getattr(runtime, name) for name in ("stack", "context") if hasattr(runtime, name)}
     try:
         for module, name, child in linears:  # not setattr: no registration, so the weights' guard sees no change
             module._modules[name] = _RuntimeLinear(child, runtime.kernel)
         for name in saved:
-            object.__setattr__(runtime, name, None)
+            setattr(runtime, name, None)
         yield runtime
     finally:
         for module, name, child in linears:
             module._modules[name] = child
         for name, value in saved.items():
-            object.__setattr__(runtime, name, value)
+            setattr(runtime, name, value)

@@ -56,7 +56,7 @@ def test_backend_resolved_once_at_load(monkeypatch, tmp_path):
 
     target, _ = random_pair("llama", seed=2)
     (tmp_path / "config.json").write_text(json.dumps(target.cfg.to_hf()))
-    save_file({k: v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"},
+    save_file({k: v.contiguous() for k, v in target.model.state_dict().items() if k != "lm_head.weight"},
               str(tmp_path / "model.safetensors"))
     from ddtree.base.options import LoadOptions
 
@@ -90,7 +90,7 @@ def test_engine_with_triton_backend_is_lossless():
     prompt = [3, 9, 27, 81 % 96, 5]
     reference, _ = run(target, None, prompt, "ar", max_new_tokens=10)
     plant_oracle(drafter, prompt + reference + [0] * 50, seed=0, top1=0.7)
-    target.attention_backend = drafter.attention_backend = "triton"
+    target.model.attention_backend = drafter.model.attention_backend = "triton"
     for method, budget in [("dflash", 1), ("ddtree", 6)]:
         tokens, stats = run(target, drafter, prompt, method, budget, max_new_tokens=10)
         assert tokens == reference and stats.attention_backend == "triton"

@@ -70,7 +70,7 @@ def test_weights_do_not_matter_their_storage_does(folder, counted):
     storages = []
     for rounding in (lambda w: w.bfloat16().float(), round_po2_q8):
         with torch.no_grad():
-            for p in db.parameters():
+            for p in db.model.parameters():
                 if p.dim() == 2:
                     p.copy_(rounding(p))
         storages.append(cost_cache.cost_key(b, db, 8, 257)["drafter_storage"])

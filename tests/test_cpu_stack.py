@@ -75,7 +75,7 @@ def assert_steps_equal_chain(target, cache, tokens, threads: int, logits: bool =
 def test_stack_pass_matches_eager(arch, shape):
     extra = {"attention_bias": True} if arch == "llama-biases" else {}
     target = random_target(arch.removesuffix("-biases"), seed=5, init_scale=0.25, **extra)
-    assert extra == {} or target.model.layers[0].self_attn.o_proj.bias is not None
+    assert extra == {} or target.model.model.layers[0].self_attn.o_proj.bias is not None
     assert target.stack is not None, "a float32 CPU target gets the C++ stack"
     cache = prefilled(target)
     n = {"one": 1, "chain": 7, "tree": 9, "block": 8}[shape]
@@ -174,11 +174,11 @@ def test_stack_is_left_out_where_it_does_not_apply(monkeypatch):
     assert random_target("llama", fused=False).stack is None  # the reference layout stays eager
     assert random_target("llama", hidden_size=48, num_heads=3, num_kv_heads=1).stack is None  # K % 64 != 0: no row kernel
     target = random_target("llama")
-    target.fuse(False)
+    target.model.fuse(False)
     target.check_fresh()
     target._follow_weights()  # the layers' parameters were replaced: the runtime follows on the next pass
     assert target.stack is None
-    target.fuse()
+    target.model.fuse()
     target._follow_weights()
     assert target.stack is not None
     monkeypatch.setattr(cpu_stack.qlinear, "cpu_kernel_available", lambda choice="auto": False)  # no AVX2
@@ -243,12 +243,12 @@ def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
     first = current_stack(drafter)
     with torch.no_grad():
-        drafter.layers[1].mlp.up_proj.weight.mul_(1.5)
+        drafter.model.layers[1].mlp.up_proj.weight.mul_(1.5)
     assert current_stack(drafter) is not first
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
     # a parameter REPLACED (attribute assignment, not an in-place write): the cached parameter list is re-read
     second = current_stack(drafter)
-    down = drafter.layers[0].mlp.down_proj
+    down = drafter.model.layers[0].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach() * -2.0)
     assert current_stack(drafter) is not second
     torch.testing.assert_close(drafter.draft(cache, bonus), eager(), rtol=1e-5, atol=2e-5)
@@ -292,7 +292,7 @@ def test_a_bf16_drafter_streams_bf16_weights_with_the_same_bits(monkeypatch):
     target = random_target("llama", seed=4, init_scale=0.25)
     _, drafter = attach(target, untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3)))
     with torch.no_grad():
-        for p in drafter.parameters():
+        for p in drafter.model.parameters():
             if p.is_floating_point():
                 p.copy_(p.to(torch.bfloat16).float())
     features = torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
@@ -319,7 +319,7 @@ def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypa
     target = random_target("llama", seed=4, init_scale=0.25)
     _, drafter = attach(target, untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 3)))
     with torch.no_grad():
-        for p in drafter.parameters():
+        for p in drafter.model.parameters():
             if p.dim() == 2:
                 p.copy_(qlinear.round_po2_q8(p))
     features = torch.randn(20, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
@@ -371,9 +371,9 @@ def test_a_bf16_valued_target_streams_bf16_and_is_row_invariant_on_one_thread():
     the pass still matches the eager layers."""
     target = random_target("llama", seed=8, init_scale=0.25, fused=False)
     with torch.no_grad():
-        for p in target.parameters():
+        for p in target.model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    target.fuse()
+    target.model.fuse()
     cache = prefilled(target)
     past, n = cache.length, 4
     tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(6))
@@ -389,14 +389,14 @@ def test_copies_follow_weights_written_in_place():
     the change."""
     def edit(target):
         with torch.no_grad():
-            for layer in target.model.layers:
+            for layer in target.model.model.layers:
                 layer.mlp.down_proj.weight.mul_(0.5)  # K = 128: its packed copy is a copy
                 layer.mlp.gate_proj.weight.add_(0.01)  # its 1-row transpose is a copy
     late = random_target("llama", seed=8, init_scale=0.25)
     edit(late)
     early = random_target("llama", seed=8, init_scale=0.25, fused=False)
     edit(early)
-    early.fuse()
+    early.model.fuse()
     caches = [prefilled(t) for t in (late, early)]
     for n, vis in ((1, Visibility(caches[0].length, None)), (5, tree_visibility(caches[0].length, 5))):
         tokens = torch.randint(0, late.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
@@ -448,7 +448,7 @@ def test_writes_torch_does_not_count_are_refused_until_refresh(how):
     from ddtree.base.config import ConfigError
 
     def edit(pair, way):
-        weights = [pair.target.model.layers[0].mlp.down_proj.weight, pair.drafter.layers[0].mlp.gate_proj.weight]
+        weights = [pair.target.model.model.layers[0].mlp.down_proj.weight, pair.drafter.model.layers[0].mlp.gate_proj.weight]
         for w in weights:
             if way == "torch":
                 with torch.no_grad():

@@ -29,7 +29,7 @@ def test_checkpoint_has_vllm_names_and_round_trips(tmp_path):
         assert f.get_tensor("lm_head.weight").shape == (len(VOCAB_IDS), target.cfg.hidden_size)
         d2t = f.get_tensor("d2t")
     assert d2t.dtype == torch.int64 and (torch.arange(len(VOCAB_IDS)) + d2t).tolist() == VOCAB_IDS.tolist()
-    loaded = DFlashDrafter.load(tmp_path, torch.bfloat16).bind(target.to(torch.bfloat16))
+    loaded = DFlashDrafter.load(tmp_path, torch.bfloat16).bind(target.model.to(torch.bfloat16))
     drafter = drafter.to(torch.bfloat16)
     cache_a, cache_b = drafter.new_cache(32), loaded.new_cache(32)
     feats = torch.randn(5, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size, dtype=torch.bfloat16)
@@ -43,7 +43,7 @@ def test_checkpoint_has_vllm_names_and_round_trips(tmp_path):
 
 def test_reduced_head_equals_the_full_heads_columns():
     target, full = random_pair("llama", seed=5, num_draft_layers=2, block_size=8, init_scale=0.25)
-    reduced = with_draft_vocab(full, VOCAB_IDS, target.lm_head.weight)
+    reduced = with_draft_vocab(full, VOCAB_IDS, target.model.lm_head.weight)
     cache_a, cache_b = full.new_cache(32), reduced.new_cache(32)
     feats = torch.randn(4, len(full.cfg.target_layer_ids) * target.cfg.hidden_size)
     full.add_context(cache_a, feats)
@@ -57,16 +57,16 @@ def test_another_draft_vocabulary_drops_a_markov_head():
     from ddtree.bench.testing import add_markov_head
 
     target, full = random_pair("llama", seed=5, num_draft_layers=2, block_size=8, init_scale=0.25)
-    reduced = with_draft_vocab(add_markov_head(full, rank=4), VOCAB_IDS, target.lm_head.weight)
+    reduced = with_draft_vocab(add_markov_head(full, rank=4), VOCAB_IDS, target.model.lm_head.weight)
     assert full.markov is not None and reduced.markov is None and reduced.cfg.markov is None
-    torch.testing.assert_close(reduced.fc.weight, full.fc.weight, rtol=0, atol=0)
+    torch.testing.assert_close(reduced.fc.weight, full.model.fc.weight, rtol=0, atol=0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_reduced_vocab_drafter_is_lossless_greedy(arch):
     target, full = random_pair(arch, seed=11, num_draft_layers=2, block_size=8, init_scale=0.25)
-    reduced = with_draft_vocab(full, VOCAB_IDS, target.lm_head.weight)
+    reduced = with_draft_vocab(full, VOCAB_IDS, target.model.lm_head.weight)
     gen = torch.Generator().manual_seed(0)
     accepted = 0
     for i in range(6):
@@ -88,7 +88,7 @@ def test_reduced_vocab_drafter_samples_the_target_distribution():
     from test_sampling import SAMPLES, VOCAB, chi_square_rejects, exact_distribution, sample_counts
 
     target, full = random_pair("llama", seed=21, block_size=4, vocab_size=VOCAB, init_scale=0.6)
-    reduced = with_draft_vocab(full, torch.tensor([0, 2, 3, 5]), target.lm_head.weight)
+    reduced = with_draft_vocab(full, torch.tensor([0, 2, 3, 5]), target.model.lm_head.weight)
     params = SamplingParams(1.0)
     counts = sample_counts(Decoder(target, reduced), make_method("ddtree", 6, None, reduced), params)
     rejected, stat, critical = chi_square_rejects(counts, exact_distribution(target, params), SAMPLES)

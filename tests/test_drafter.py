@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 from ddtree.base.config import ConfigError
 from ddtree.runtime.cpu.runtime import attach
 from ddtree.models.drafter import DFlashDrafter, default_tap_layers
+from ddtree.models.protocol import reference
 from ddtree.models.layers import apply_rope
 from ddtree.bench.testing import random_pair, random_target
 
@@ -24,6 +25,7 @@ def reference_block_logits(drafter, features, bonus, start, length, masks=None):
     """The published algorithm in one shot, no cache: every layer projects the fused context and the block
     with its own k/v projections, keys get k_norm and RoPE at absolute positions, no causal mask (or, with
     masks, layer i's dense bool mask [length, start + length] over [context ; block])."""
+    drafter = reference(drafter)
     target = drafter.target
     ctx = drafter.hidden_norm(drafter.fc(features))  # [start, H]
     block = torch.full((length,), drafter.cfg.mask_token_id)
@@ -90,7 +92,7 @@ def test_context_waits_for_the_next_draft():
 
 def test_save_load_round_trip(tmp_path):
     target, drafter = random_pair("llama", seed=6, num_draft_layers=2, block_size=8)
-    drafter.save(tmp_path)
+    drafter.model.save(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["block_size"] == 8 and cfg["num_target_layers"] == target.cfg.num_layers
@@ -145,7 +147,7 @@ def test_loads_hand_made_published_checkpoint(tmp_path):
 
 def mismatch(tmp_path, **changes):
     target, drafter = random_pair("llama", seed=8, num_draft_layers=2)
-    drafter.save(tmp_path)
+    drafter.model.save(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     for key, value in changes.items():
         if key in ("mask_token_id", "target_layer_ids"):
@@ -172,14 +174,14 @@ def test_hidden_size_mismatch_is_refused(tmp_path):
     target, drafter = random_pair("llama", seed=9)
     other = random_target("llama", seed=9, hidden_size=32, head_dim=8)
     with pytest.raises(ConfigError, match="hidden_size"):
-        drafter.bind(other)
+        drafter.model.bind(other)
 
 
 def test_corrupt_or_missing_files(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         DFlashDrafter.load(tmp_path)
     target, drafter = random_pair("llama", seed=10)
-    drafter.save(tmp_path)
+    drafter.model.save(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(ConfigError, match="corrupt"):
         DFlashDrafter.load(tmp_path)

@@ -10,6 +10,7 @@ import torch
 from conftest import run
 from ddtree.base.config import ConfigError
 from ddtree.models.drafter import DFlashDrafter, DrafterConfig
+from ddtree.models.protocol import reference
 from ddtree.bench.testing import random_pair
 from test_drafter import reference_block_logits
 
@@ -27,7 +28,7 @@ VARIANTS = {
 def with_options(drafter, **options):
     """The same weights under other attention options."""
     other = DFlashDrafter(dataclasses.replace(drafter.cfg, **options))
-    other.load_state_dict(drafter.state_dict())
+    other.load_state_dict(reference(drafter).state_dict())
     other.label = "options"
     return other.eval().bind(drafter.target)
 

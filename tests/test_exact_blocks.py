@@ -58,7 +58,7 @@ def test_exact_blocks_give_the_float_weights_bits(arch, threads, tmp_path):
             h = torch.randn(rows, blocked.cfg.hidden_size)
             # the float head through the row kernel (one row on one thread otherwise takes torch's GEMV)
             with torch.inference_mode():
-                assert torch.equal(blocked.logits(h), kernel().f32_linear(h, plain.lm_head.weight.detach()))
+                assert torch.equal(blocked.logits(h), kernel().f32_linear(h, plain.model.lm_head.weight.detach()))
     finally:
         torch.set_num_threads(before)
 
@@ -105,8 +105,8 @@ def test_a_weight_written_in_place_drops_the_blocks(tmp_path):
     blocked, plain = with_blocks("llama", tmp_path), quantizable_target("llama")
     with torch.no_grad():
         for t in (blocked, plain):
-            t.model.layers[1].mlp.down_proj.weight.mul_(0.5)
-            t.lm_head.weight.mul_(0.5)
+            t.model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
+            t.model.lm_head.weight.mul_(0.5)
     cache_a, cache_b = blocked.new_cache(8), plain.new_cache(8)
     out = blocked(torch.tensor([3]), torch.tensor([0]), cache_a, Visibility.causal(0, 1, "cpu"))
     ref = plain(torch.tensor([3]), torch.tensor([0]), cache_b, Visibility.causal(0, 1, "cpu"))

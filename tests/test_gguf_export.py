@@ -42,7 +42,7 @@ def test_written_gguf_holds_the_targets_weights(tmp_path, arch):
     assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
     assert reader.fields["general.file_type"].contents() == 0  # ALL_F32
     tensors = {t.name: np.array(t.data).reshape(list(reversed(t.shape.tolist()))) for t in reader.tensors}
-    state = target.state_dict()
+    state = target.model.state_dict()
     assert ("output.weight" in tensors) == (not target.cfg.tie_word_embeddings)
     assert len(tensors) == len(state) - target.cfg.tie_word_embeddings
     cfg = target.cfg

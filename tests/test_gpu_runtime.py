@@ -108,7 +108,7 @@ def test_the_runtime_owns_one_cache_per_model():
     c = rt.new_cache(3000)
     assert c is not a and c.capacity == 3000
     assert rd.new_cache(10) is not c
-    assert isinstance(rt, gpu.GPUTarget) and rt.model is ref.model  # the reference's attributes show through
+    assert isinstance(rt, gpu.GPUTarget) and rt.model is ref  # the reference, as it is
     assert gpu.attach(rt, rd) == (rt, rd)
 
 

@@ -51,7 +51,7 @@ def tiny_repos(tmp_path, offline_cache):
     org/tiny-dflash."""
     target, drafter = random_pair("llama", seed=3, num_draft_layers=1)
     save_target(target, tmp_path / "files-target", char_tokenizer())
-    drafter.save(tmp_path / "files-draft")
+    drafter.model.save(tmp_path / "files-draft")
     hub_snapshot(offline_cache, "org/tiny", tmp_path / "files-target")
     hub_snapshot(offline_cache, "org/tiny-dflash", tmp_path / "files-draft")
     return target, drafter

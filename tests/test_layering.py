@@ -3,6 +3,8 @@ imports a higher layer, and there is no import cycle (the import graph of `ddtre
 import ast
 from pathlib import Path
 
+import pytest
+
 import ddtree
 
 PACKAGE = Path(ddtree.__file__).resolve().parent
@@ -90,3 +92,29 @@ def test_no_test_only_code_in_the_package():
     assert not hasattr(tree, "best_first_tree") and not hasattr(SamplingParams, "as_dict")
     gone = ("def reference_arithmetic", "def best_first_tree", "def as_dict(self) -> dict:\n        return asdict")
     assert not [(path.name, name) for path in PACKAGE.rglob("*.py") for name in gone if name in path.read_text()]
+
+
+def test_runtimes_say_what_they_are_and_the_engine_asks_no_model_for_its_kernel():
+    """A runtime implements its protocol itself (no attribute forwarding to the model it holds), and the engine takes
+    the step's operations from the object the runtime chose at load (Target.step_ops), never a model's kernel."""
+    forwarding = [(p.relative_to(PACKAGE).as_posix(), node.name) for p in (PACKAGE / "runtime").rglob("*.py")
+                  for node in ast.walk(ast.parse(p.read_text()))
+                  if isinstance(node, ast.FunctionDef) and node.name in ("__getattr__", "__setattr__")]
+    assert not forwarding, f"attribute forwarding in a runtime: {forwarding}"
+    asks = [(p.name, n.lineno) for p in (PACKAGE / "engine").rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if (isinstance(n, ast.Attribute) and n.attr == "kernel" and getattr(n.value, "id", None) != "qlinear")
+            or (isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr"
+                and any(isinstance(a, ast.Constant) and a.value == "kernel" for a in n.args))]
+    assert not asks, f"the engine asks a model for its kernel: {asks}"
+
+
+def test_a_runtimes_own_attributes_stay_its_own():
+    """Setting an attribute on a runtime sets it there: the reference model it holds (`.model`) is not touched."""
+    from ddtree.bench.testing import random_pair
+
+    target, drafter = random_pair("llama", seed=1)
+    for runtime in (target, drafter):
+        runtime.note = 1
+        assert not hasattr(runtime.model, "note")
+        with pytest.raises(AttributeError):
+            runtime.fc  # what the runtime does not define is not the model's either

@@ -82,7 +82,7 @@ def test_non_float_dtype(dtype):
 def model_dirs(tmp_path):
     """A saved tiny target and a drafter for it (published format)."""
     target, drafter = random_pair("llama", seed=1, num_draft_layers=2)
-    drafter.save(tmp_path / "drafter")
+    drafter.model.save(tmp_path / "drafter")
     return save_target(target, tmp_path / "target"), tmp_path / "drafter"
 
 
@@ -281,7 +281,7 @@ def test_a_drafters_markov_head_is_used_when_asked(model_dirs, tmp_path, monkeyp
     target_dir, _ = model_dirs
     target, drafter = random_pair("llama", seed=1, num_draft_layers=2)
     add_markov_head(drafter, rank=4, seed=2)
-    drafter.save(tmp_path / "with-head")
+    drafter.model.save(tmp_path / "with-head")
     off = ddtree.load(target=target_dir, draft=tmp_path / "with-head")  # by default: the marginals, as published
     assert off.drafter.markov is None and off.drafter.cfg.markov is None
     on = ddtree.load(target=target_dir, draft=tmp_path / "with-head", markov_head=True)

@@ -10,7 +10,8 @@ import torch
 from conftest import plant_oracle, run
 from ddtree.base.config import SamplingParams
 from ddtree.models.drafter import DFlashDrafter
-from ddtree.engine.decoder import Decoder, chain_ids, make_method, tree_nodes
+from ddtree.engine.decoder import Decoder, make_method
+from ddtree.engine.step_ops import TorchStepOps
 from ddtree.models.markov import (MarkovHead, conditional_best_first, conditional_chain, conditional_logprobs,
                            conditional_table, head_chain_ids, head_tree_nodes)
 from ddtree.bench.testing import add_markov_head, random_pair
@@ -153,10 +154,11 @@ def test_tree_nodes_and_chain_without_a_head_are_the_plain_ones():
     _, drafter = random_pair("llama", seed=2, block_size=6)
     logits = torch.randn(5, 96, generator=torch.Generator().manual_seed(0))
     lp = logits.log_softmax(-1)
-    got, want = tree_nodes(drafter, lp, torch.tensor([3]), 9), best_first_nodes(lp, 9)
+    ops = TorchStepOps()
+    got, want = ops.tree_nodes(drafter, lp, torch.tensor([3]), 9), best_first_nodes(lp, 9)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert chain_ids(drafter, logits, torch.tensor([3])).tolist() == logits.argmax(-1).tolist()
+    assert ops.chain_ids(drafter, logits, torch.tensor([3])).tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -180,11 +182,11 @@ def test_greedy_with_a_head_matches_ar(arch):
                 del drafter.draft  # back to the real draft pass
         # the head changed the trees: compare with the same drafter's marginal trees
         logits = drafter.draft(drafter.new_cache(64), torch.tensor([prompt[-1]]), 8)
-        head, drafter.markov = drafter.markov, None
-        plain = tree_nodes(drafter, logits.float().log_softmax(-1), torch.tensor([prompt[-1]]), 16)[2]
-        drafter.markov = head
-        changed += not torch.equal(plain, tree_nodes(drafter, logits.float().log_softmax(-1), torch.tensor([prompt[-1]]),
-                                                     16)[2])
+        lp, ops = logits.float().log_softmax(-1), target.step_ops or TorchStepOps()
+        head, drafter.model.markov = drafter.markov, None
+        plain = ops.tree_nodes(drafter, lp, torch.tensor([prompt[-1]]), 16)[2]
+        drafter.model.markov = head
+        changed += not torch.equal(plain, ops.tree_nodes(drafter, lp, torch.tensor([prompt[-1]]), 16)[2])
     assert changed > 0, "the head never changed a tree: the test would not see it misused"
 
 
@@ -249,19 +251,18 @@ def test_kernel_markov_tree_refuses_bad_input():
 
 
 def test_a_runtime_drafter_builds_the_head_trees_in_the_kernel():
-    """tree_nodes / chain_ids on a CPU runtime's drafter (kernel) give what the Python path gives."""
-    from ddtree.engine.decoder import host_kernel
-
-    _, drafter = random_pair("llama", seed=3, block_size=8)
+    """tree_nodes / chain_ids of a CPU runtime's step operations (kernel) give what the Python path gives."""
+    target, drafter = random_pair("llama", seed=3, block_size=8)
     add_markov_head(drafter, seed=4)
-    if host_kernel(drafter) is None:
+    ops = target.step_ops
+    if ops is None:
         pytest.skip("no CPU runtime kernel here")
     logits = torch.randn(7, 96, generator=torch.Generator().manual_seed(2)) * 3
     lp, root = logits.log_softmax(-1), torch.tensor([5])
     for budget in (2, 8, 16):
-        got = tree_nodes(drafter, lp, root, budget)
+        got = ops.tree_nodes(drafter, lp, root, budget)
         want = head_tree_nodes(drafter, lp, root, budget)  # no kernel
         for a, b in zip(got[:3], want[:3]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         np.testing.assert_allclose(got[3], want[3], rtol=1e-12)  # double sums in another order
-    assert chain_ids(drafter, logits, root).tolist() == head_chain_ids(drafter, logits, root).tolist()
+    assert ops.chain_ids(drafter, logits, root).tolist() == head_chain_ids(drafter, logits, root).tolist()

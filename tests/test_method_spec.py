@@ -115,7 +115,7 @@ def test_ddtree_drafts_no_deeper_than_its_budget(pair, budget, block, length):
         pair.drafter.add_context(dcache, torch.randn(3, len(pair.drafter.cfg.target_layer_ids) * 64))
         if isinstance(m, AdaptiveDDTree):
             m.gate.rate = None  # no evidence yet: drafts
-        tree = m.propose(pair.drafter, dcache, torch.tensor([5]), 40, StageTimer("cpu"))
+        tree = m.propose(pair.drafter, pair.decoder.ops, dcache, torch.tensor([5]), 40, StageTimer("cpu"))
     finally:
         del pair.drafter.draft
     assert seen == [length]
@@ -133,13 +133,13 @@ def test_plain_step_decided_in_one_place(pair, method):
     dcache = pair.drafter.new_cache(64)
     pair.drafter.add_context(dcache, torch.zeros(1, len(pair.drafter.cfg.target_layer_ids) * 64))
     bonus = torch.tensor([5])
-    tree = m.propose(pair.drafter, dcache, bonus, 1, StageTimer("cpu"))
+    tree = m.propose(pair.drafter, pair.decoder.ops, dcache, bonus, 1, StageTimer("cpu"))
     assert tree.size == 1 and tree.tokens.tolist() == [5] and tree.parents.tolist() == [-1]
     if m.uses_drafter:
         del m.draft
         if isinstance(m, AdaptiveDDTree):
             m.gate.rate = None  # no evidence yet: drafts
-        tree = m.propose(pair.drafter, dcache, bonus, 40, StageTimer("cpu"))
+        tree = m.propose(pair.drafter, pair.decoder.ops, dcache, bonus, 40, StageTimer("cpu"))
         assert tree.size > 1 and np.all(tree.parents[1:] < np.arange(1, tree.size))
 
 

@@ -19,7 +19,7 @@ def test_matches_huggingface(arch):
     target = random_target(arch, seed=1)
     cfg = {k: v for k, v in target.cfg.to_hf().items() if k != "model_type"}
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(arch, **cfg)).eval()
-    result = hf.load_state_dict(target.state_dict(), strict=False)
+    result = hf.load_state_dict(target.model.state_dict(), strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
     if target.cfg.tie_word_embeddings:
         hf.tie_weights()

@@ -193,7 +193,7 @@ def test_load_reads_the_options_once_and_sets_the_threads(tmp_path, monkeypatch)
     from ddtree.bench.testing import random_pair, save_target
 
     target, drafter = random_pair("llama", seed=1, num_draft_layers=2)
-    drafter.save(tmp_path / "drafter")
+    drafter.model.save(tmp_path / "drafter")
     target_dir, draft_dir = save_target(target, tmp_path / "target"), tmp_path / "drafter"
     before = torch.get_num_threads()
     try:
@@ -215,10 +215,11 @@ def test_a_pair_without_cuda_graphs_gets_no_gpu_runtime(monkeypatch):
     """cuda_graphs=False (or DDTREE_CUDA_GRAPHS=0/false/off) keeps the CUDA-graph runtime off the pair."""
     from ddtree import api
     from ddtree.bench.testing import random_pair
+    from ddtree.runtime import attach as runtime_attach
 
     target, drafter = random_pair("llama", seed=1, num_draft_layers=1)
     calls = []
-    monkeypatch.setattr(api.gpu_runtime, "attach", lambda t, d: calls.append(1) or (t, d))
+    monkeypatch.setattr(runtime_attach.gpu_runtime, "attach", lambda t, d: calls.append(1) or (t, d))
     api.Pair(target, drafter, None)
     assert calls == [1]
     monkeypatch.setenv("DDTREE_CUDA_GRAPHS", "off")

@@ -4,6 +4,7 @@ import warnings
 import numpy as np
 import pytest
 
+from ddtree.models.protocol import reference
 from ddtree.bench.testing import add_markov_head, random_pair
 from ddtree.train.probe import (accepted_lengths, anchor_drafts, anchor_tables, block_drafts, head_accepted_lengths,
                                 probe, tree_tau)
@@ -40,7 +41,7 @@ def test_tables_give_the_probes_tau_with_and_without_a_head():
             tables["group"] = np.array([group] * len(tables["labels"]))
             parts.append(tables)
         tables = {k: np.concatenate([t[k] for t in parts]) for k in parts[0]}
-        got = tree_tau(tables, budgets, drafter.markov, target.model.embed_tokens.weight, drafter.to_target_ids)
+        got = tree_tau(tables, budgets, drafter.markov, reference(target).model.embed_tokens.weight, drafter.to_target_ids)
         assert got.keys() == want.keys()
         for g in got:
             assert got[g]["positions"] == want[g]["positions"]

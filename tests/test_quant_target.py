@@ -56,15 +56,15 @@ def quantized(arch: str, tmp_path, seed: int = 3, int8: bool = False):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])  # llama: q/k rows permuted in the file; qwen3: q/k norms
 def test_quantized_target_is_the_float_model(arch, tmp_path):
     q, ref = quantized(arch, tmp_path), quantizable_target(arch)
-    assert q.quant == "gguf Q4_1/Q8_0" and isinstance(q.lm_head, QLinear) and q.row_logits
-    attn = q.model.layers[0].self_attn
+    assert q.quant == "gguf Q4_1/Q8_0" and isinstance(q.model.lm_head, QLinear) and q.row_logits
+    attn = q.model.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, QLinear) and isinstance(attn.o_proj, QLinear)
     from test_fused import logits
 
     for extra in ([5], [5, 17, 40, 2, 9]):
         torch.testing.assert_close(logits(q, [1, 2, 3, 4], extra), logits(ref, [1, 2, 3, 4], extra),
                                    rtol=1e-4, atol=1e-4)
-    state, float_state = dequantized_state(q), ref.state_dict()
+    state, float_state = dequantized_state(q), ref.model.state_dict()
     assert state.keys() == float_state.keys()
     assert all(torch.equal(state[k], float_state[k]) for k in state)
 
@@ -100,8 +100,8 @@ def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp
     from test_fused import logits
 
     q, f = quantized("qwen3", tmp_path, int8=True), quantizable_target("qwen3")
-    attn = q.model.layers[0].self_attn
-    assert attn.qkv_proj.weight.int8 and q.lm_head.weight.int8 and q.describe()["quant"].endswith("int8")
+    attn = q.model.model.layers[0].self_attn
+    assert attn.qkv_proj.weight.int8 and q.model.lm_head.weight.int8 and q.describe()["quant"].endswith("int8")
     for extra in ([5], [5, 17, 40, 2, 9]):
         a, b = logits(q, [1, 2, 3, 4], extra), logits(f, [1, 2, 3, 4], extra)
         assert not torch.equal(a, b) and torch.equal(a.argmax(-1), b.argmax(-1))
@@ -152,9 +152,9 @@ def test_a_gguf_that_is_not_the_float_model_is_refused(tmp_path):
 def test_a_quantized_target_stays_put(tmp_path):
     q = quantized("llama", tmp_path)
     with pytest.raises(ConfigError, match="without quant to move"):
-        q.to(torch.float64)
+        q.model.to(torch.float64)
     with pytest.raises(ConfigError, match="no float layout"):
-        q.fuse(False)
+        q.model.fuse(False)
 
 
 def test_load_refuses_quant_where_it_cannot_run(tmp_path):

@@ -25,7 +25,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     model_dir = tmp_path / "target"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(target.cfg.to_hf()))
-    save_file({k: v.contiguous() for k, v in target.state_dict().items()}, str(model_dir / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in target.model.state_dict().items()}, str(model_dir / "model.safetensors"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"ids": p.ids}) + "\n" for p in id_prompts(16, 96, seed=2)))
     data, run = tmp_path / "data", tmp_path / "run"
@@ -72,7 +72,7 @@ def test_cli_generate_fit_resume_export(tmp_path):
     copied = DFlashDrafter.load(tmp_path / "t31" / "drafter")
     assert copied.cfg.model.num_layers == 2
     for k, i in enumerate([3, 1]):
-        torch.testing.assert_close(copied.layers[k].mlp.down_proj.weight, target.model.layers[i].mlp.down_proj.weight,
+        torch.testing.assert_close(copied.layers[k].mlp.down_proj.weight, target.model.model.layers[i].mlp.down_proj.weight,
                                    rtol=0, atol=1e-6)
     assert main(fresh + ["--out", str(tmp_path / "bad"), "--layers", "3", "--layers-from-target", "3,1"]) == 2
 

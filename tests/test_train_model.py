@@ -3,6 +3,7 @@ prefix and themselves, anchors / labels / weights, packed passes equal one pass 
 import pytest
 import torch
 
+from ddtree.models.protocol import reference
 from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.model import (block_inputs, default_gamma, drafter_block_hidden, loss_weights, sample_anchors,
                                 target_features, target_features_packed, visibility_mask)
@@ -13,7 +14,7 @@ torch.set_num_threads(1)
 def _hidden(drafter, target, tokens, feats, anchors, dense=False):
     block, pos, _ = block_inputs(tokens, anchors, drafter.block_size, drafter.cfg.mask_token_id)
     with torch.no_grad():
-        return drafter_block_hidden(drafter, feats, block, pos, anchors, target.model.embed_tokens, dense)
+        return drafter_block_hidden(drafter, feats, block, pos, anchors, reference(target).model.embed_tokens, dense)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

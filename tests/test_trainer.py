@@ -8,6 +8,7 @@ import torch
 
 from ddtree.api import Pair
 from ddtree.models.drafter import DFlashDrafter, untrained_drafter
+from ddtree.models.protocol import reference
 from ddtree.bench.testing import add_markov_head, random_target
 from ddtree.train.data import read_sequences
 from ddtree.train.model import sample_anchors, target_features
@@ -149,7 +150,7 @@ def test_objectives_ce_tv_and_their_sum(distill, vocab):
         loss_model = DraftLoss(drafter, target)
         block, positions, labels = block_inputs(tokens, anchors, drafter.cfg.block_size, drafter.cfg.mask_token_id)
         with torch.no_grad():
-            hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
+            hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, reference(target).model.embed_tokens)
             q = F.softmax(hidden[:, 1:] @ draft_head(drafter, target).T, -1)
         valid = labels >= 0
         pw = loss_model.weights[None, :].expand_as(labels)[valid]
@@ -183,7 +184,7 @@ def test_markov_weight_adds_the_heads_conditional_nll(vocab):
     assert vocab is None or drafter.lm_head.weight.grad is None  # a reduced vocabulary's own LM head stays frozen
     with torch.no_grad():  # the reference: per label, the conditional over the whole vocabulary
         block, positions, labels = block_inputs(tokens, anchors, drafter.cfg.block_size, drafter.cfg.mask_token_id)
-        hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
+        hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, reference(target).model.embed_tokens)
         lp = F.log_softmax(hidden[:, 1:] @ draft_head(drafter, target).T, -1)  # [A, B-1, V]
         t2d = DraftLoss(drafter, target).t2d
         weights = DraftLoss(drafter, target).weights
@@ -195,7 +196,7 @@ def test_markov_weight_adds_the_heads_conditional_nll(vocab):
                     continue
                 cand = lp[a, k].topk(5).indices
                 parent = tokens[positions[a, k]]  # the token before label a + k + 1
-                code = target.model.embed_tokens.weight[parent] @ head.proj
+                code = reference(target).model.embed_tokens.weight[parent] @ head.proj
                 logits = lp[a, k].clone()
                 logits[cand] += head.scale[k] * (code @ head.out[:, cand])
                 num -= float(weights[k] * logits.log_softmax(-1)[label])

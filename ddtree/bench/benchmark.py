@@ -55,6 +55,7 @@ from ..engine.method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
 from .runner import LOAD_LIMIT, SPREAD_LIMIT, RunSettings, run_prompt, summarize_methods, timings
 from ..engine.stats import STAGES
+from ..models.protocol import reference
 
 # Presets: values used for options not given on the command line.
 PRESETS = {
@@ -179,7 +180,7 @@ def record_key(fields: dict) -> str:
 
 def drafter_fingerprint(pair) -> str:
     """Label plus a checksum of the drafter weights: a newly trained drafter must not reuse cached records."""
-    total = sum(float(p.detach().double().sum()) for p in pair.drafter.parameters())
+    total = sum(float(p.detach().double().sum()) for p in reference(pair.drafter).parameters())
     return f"{pair.drafter.label}:{total:.9e}"
 
 

@@ -9,6 +9,7 @@ import torch
 from ..api import GenerationResult
 from ..runtime.cpu.quant_target import dequantized_state
 from ..engine.stats import GenerationStats
+from ..models.protocol import reference
 
 
 def to_hf_model(target):
@@ -25,7 +26,7 @@ def to_hf_model(target):
     if target.quant:  # a GGUF-quantized target: the same weights, dequantized (exactly)
         state = dequantized_state(target)
     else:
-        state = target.state_dict()
+        state = reference(target).state_dict()
     result = model.load_state_dict(state, strict=False)
     if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
         raise RuntimeError(f"HF model does not match the target: {result}")

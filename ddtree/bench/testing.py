@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from ..base.config import ModelConfig
-from ..runtime.cpu.runtime import attach
-from ..runtime.gpu import runtime as gpu_runtime
+from ..base.options import LoadOptions
+from ..models.protocol import reference
+from ..runtime.attach import attach
 from ..models.drafter import untrained_drafter
 from ..models.markov import MarkovHead
 from ..models.target import TargetModel
@@ -33,7 +34,7 @@ def random_target(arch: str = "llama", seed: int = 0, dtype=torch.float32, devic
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * init_scale)
     model = model.to(device=device, dtype=dtype).eval().fuse(fused)
-    return gpu_runtime.attach(*attach(model, None))[0] if runtime else model
+    return attach(model, None, LoadOptions())[0] if runtime else model
 
 
 def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, block_size: int = 8, **kw):
@@ -41,7 +42,7 @@ def random_pair(arch: str = "llama", seed: int = 0, num_draft_layers: int = 1, b
     target = random_target(arch, seed, **kw)
     drafter = untrained_drafter(target, num_draft_layers, block_size, seed=seed + 1)
     drafter.label = "random"
-    return gpu_runtime.attach(*attach(target, drafter)) if kw.get("runtime", True) else (target, drafter)
+    return attach(target, drafter, LoadOptions()) if kw.get("runtime", True) else (target, drafter)
 
 
 def char_tokenizer():
@@ -71,7 +72,7 @@ def save_target(target: TargetModel, directory, tokenizer=None):
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(target.cfg.to_hf()))
-    state = {k: v.contiguous() for k, v in target.state_dict().items()}
+    state = {k: v.contiguous() for k, v in reference(target).state_dict().items()}
     if target.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")  # shared with the embedding: safetensors stores a tensor once
     save_file(state, str(directory / "model.safetensors"))
@@ -89,5 +90,6 @@ def add_markov_head(drafter, rank: int = 8, candidates: int = 32, seed: int = 0,
     with torch.no_grad():
         head.proj.copy_(torch.randn(head.proj.shape, generator=gen) * m.hidden_size ** -0.5 * strength * 8)
         head.out.copy_(torch.randn(head.out.shape, generator=gen) * strength)
-    drafter.set_markov_head(head.to(drafter.fc.weight.device, drafter.fc.weight.dtype))
+    model = reference(drafter)
+    model.set_markov_head(head.to(model.fc.weight.device, model.fc.weight.dtype))
     return drafter

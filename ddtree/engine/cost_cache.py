@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.cpu import stack as cpu_stack
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from ..base.cache import cache_root, digest_json, notice, sweep, write_bytes, write_error
 
@@ -66,7 +65,7 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                         t.num_kv_heads, t.head_dim],
                 drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
                          len(drafter.cfg.target_layer_ids)],
-                drafter_storage=cpu_stack.storage(drafter.layers[0].mlp.gate_proj.weight),  # q8 / bf16 / float32
+                drafter_storage=drafter.describe()["storage"],  # q8 / bf16 / float32: what its pass streams
                 block_size=block_size, max_nodes=max_nodes,
                 **target.describe())  # its fast paths: quantization, C++ layers and kernel build, exact blocks
 

@@ -21,48 +21,15 @@ from ..models.attention import Visibility
 from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from ..base.config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
-from ..models.markov import head_chain_ids, head_tree_nodes
 from .method_spec import MethodSpec, check_budget
-from .sampling import argmax, choose
+from .sampling import choose
 from .stats import GenerationStats, StageTimer
+from .step_ops import TorchStepOps
 from .stops import Stops
 from .traces import step_record
-from .tree import DraftTree, ancestor_matrix, best_first_nodes, chain_parents, walk, walk_drawn
+from .tree import DraftTree, chain_parents, walk_drawn
 
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
-
-
-def host_kernel(model):
-    """The compiled CPU kernel of the runtime `model` runs in (cpu/runtime.py: CPUTarget, CPUDrafter), or None."""
-    return getattr(model, "kernel", None)
-
-
-def tree_nodes(drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int):
-    """A draft's best-first nodes (tree.best_first_nodes' contract, the draft ids as a LongTensor [n] on the
-    logprobs' device): from the drafter's per-position marginals, through its CPU runtime's kernel where it has
-    one (kernels/tree.cpp: the same nodes in one call), or, when it has a Markov head (ddtree/models/markov.py), from
-    each node's own conditional."""
-    kernel = host_kernel(drafter)
-    if drafter.markov is not None:
-        return head_tree_nodes(drafter, logprobs, bonus, budget, kernel)
-    if kernel is not None and logprobs.device.type == "cpu" and logprobs.dtype == torch.float32:
-        parents, depths, ids, scores = kernel.best_first_tree(logprobs.contiguous(), budget)
-        return parents.numpy(), depths.numpy(), ids, scores.numpy()
-    parents, depths, ids, scores = best_first_nodes(logprobs, budget)
-    return parents, depths, torch.tensor(ids, dtype=torch.long, device=logprobs.device), scores
-
-
-def tree_tokens(drafter, bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A tree's tokens [n + 1] in the target's vocabulary: the root `bonus` [1], then the draft ids [n] (the draft
-    vocabulary's; DFlashDrafter.to_target_ids), in one kernel call on a CPU runtime."""
-    if (kernel := host_kernel(drafter)) is not None and ids.device.type == "cpu":
-        return kernel.tree_tokens(int(bonus), ids.contiguous(), drafter.d2t if drafter.cfg.reduced_vocab else None)
-    return torch.cat([bonus, drafter.to_target_ids(ids)])
-
-
-def chain_ids(drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
-    """A linear draft's draft ids: each position's argmax, or with a Markov head, given the token before it."""
-    return argmax(logits) if drafter.markov is None else head_chain_ids(drafter, logits, bonus, host_kernel(drafter))
 
 
 class Method:
@@ -94,18 +61,19 @@ class Method:
         """Before each generation, outside its timing: load or measure what the method needs (once), and
         start a new prompt decoded with `sampling` (None: greedy)."""
 
-    def propose(self, drafter, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
-        """The tree to verify, rooted at `bonus` [1]. The one place that decides a plain step (the root alone,
-        exactly plain decoding): when no draft of >= 1 token fits the `room` left, or the method declines."""
+    def propose(self, drafter, ops, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
+        """The tree to verify, rooted at `bonus` [1], built with the step operations `ops` (protocol.StepOps). The one
+        place that decides a plain step (the root alone, exactly plain decoding): when no draft of >= 1 token fits
+        the `room` left, or the method declines."""
         length = min(self.block_size or 1, room)
         if length < 2 or not self.wants_draft():
             return DraftTree(bonus, *chain_parents(1))
-        return self.draft(drafter, dcache, bonus, length, room, timer)
+        return self.draft(drafter, ops, dcache, bonus, length, room, timer)
 
     def wants_draft(self) -> bool:
         return self.uses_drafter
 
-    def draft(self, drafter, dcache, bonus: torch.Tensor, length: int, room: int, timer) -> DraftTree:
+    def draft(self, drafter, ops, dcache, bonus: torch.Tensor, length: int, room: int, timer) -> DraftTree:
         """A drafted tree over block positions 1..length-1 (length >= 2), at most `room` nodes."""
         raise NotImplementedError
 
@@ -138,12 +106,12 @@ class DFlash(Method):
     def max_nodes(self) -> int:
         return self.block_size
 
-    def draft(self, drafter, dcache, bonus, length, room, timer):
+    def draft(self, drafter, ops, dcache, bonus, length, room, timer):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)  # [length - 1, draft vocab]
         with timer("tree_build"):
-            ids = chain_ids(drafter, logits, bonus)  # [length - 1] in the draft vocabulary
-            return DraftTree(tree_tokens(drafter, bonus, ids), *chain_parents(length), draft_logits=logits,
+            ids = ops.chain_ids(drafter, logits, bonus)  # [length - 1] in the draft vocabulary
+            return DraftTree(ops.tree_tokens(drafter, bonus, ids), *chain_parents(length), draft_logits=logits,
                              draft_ids=ids)
 
 
@@ -174,16 +142,16 @@ class DDTree(Method):
     def max_nodes(self) -> int:
         return self.budget + 1
 
-    def draft(self, drafter, dcache, bonus, length, room, timer):
+    def draft(self, drafter, ops, dcache, bonus, length, room, timer):
         with timer("draft"):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
-            parents, depths, ids, scores = tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
-                                                      min(self.budget, room - 1))
+            parents, depths, ids, scores = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
+                                                          min(self.budget, room - 1))
             b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
             ids = ids[:b]  # [b] in the draft vocabulary
-            return DraftTree(tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], draft_logits=logits,
-                             draft_ids=ids)
+            return DraftTree(ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1],
+                             draft_logits=logits, draft_ids=ids)
 
     def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
         """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
@@ -287,28 +255,21 @@ class Decoder:
     def __init__(self, target, drafter=None, sync_stages: bool = False):
         self.target, self.drafter = target, drafter
         self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
-        self.kernel = host_kernel(target)  # a CPU runtime's kernel: the step's compile and greedy walk in C++
+        # the step's tree build, visibility and walk: its runtime's (a CPU runtime's C++ kernel), or the engine's own
+        self.ops = target.step_ops or TorchStepOps()
 
     def compile(self, tree: DraftTree, start: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The verify pass's inputs beside the tokens: the visibility among the tree's nodes (bool [N, N]; None for a
-        lone root) and their positions [N] after `start` cached ones, in one kernel call on a CPU runtime."""
-        if self.kernel is not None:
-            ancestors, positions = self.kernel.tree_visibility(tree.parents, tree.depths, start)
-            return (ancestors if tree.size > 1 else None), positions
-        device = self.target.device
-        ancestors = torch.from_numpy(ancestor_matrix(tree.parents, tree.depths)).to(device) if tree.size > 1 else None
-        return ancestors, torch.from_numpy(tree.depths).to(device) + start
+        lone root) and their positions [N] after `start` cached ones."""
+        return self.ops.visibility(tree.parents, tree.depths, start, self.target.device)
 
     def accept(self, tree: DraftTree, ancestors, logits, sampling: SamplingParams, generator):
-        """The target's choices and the walk: greedy, all nodes at once (one tensor op, or on a CPU runtime one kernel
-        call for the argmax and the walk: kernels/tree.cpp's greedy_walk); sampled, or with
+        """The target's choices and the walk: greedy, all nodes at once (StepOps.greedy_walk); sampled, or with
         RowLogits (float32 CPU, target.RowLogits), only at the nodes the walk visits (on a CPU processing a
         whole-vocabulary distribution, and an LM-head row, cost real time per node). logits: [N, V] or RowLogits.
         Tests override this to plant a biased rule."""
         if sampling.greedy and isinstance(logits, torch.Tensor):
-            if self.kernel is not None and logits.dtype == torch.float32:
-                return self.kernel.greedy_walk(logits.contiguous(), tree.parents, tree.tokens)  # argmax + walk
-            return walk(tree, ancestors, choose(logits, sampling, generator))
+            return self.ops.greedy_walk(tree, ancestors, logits)
         return walk_drawn(tree, lambda i: int(choose(logits[i:i + 1], sampling, generator)[0]))
 
     def _validate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed) -> None:
@@ -396,7 +357,8 @@ class Decoder:
             if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
                 break
             start = tcache.length
-            tree = method.propose(drafter, dcache, torch.tensor(tokens[-1:], device=device), tcache.room, timer)
+            tree = method.propose(drafter, self.ops, dcache, torch.tensor(tokens[-1:], device=device), tcache.room,
+                                  timer)
             with timer("tree_compile"):
                 ancestors, positions = self.compile(tree, start)
                 vis = Visibility(start, ancestors)

@@ -23,6 +23,7 @@ from .kv_cache import ContextCache, KVCache, add_context, flush_context
 from .layers import DecoderLayer, RMSNorm, Rotary
 from .loading import check_weights, read_safetensors, safetensors_shapes
 from .markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
+from .protocol import reference
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -234,6 +235,10 @@ class DFlashDrafter(nn.Module):
     def check_fresh(self) -> None:
         """The reference keeps no copies that could go stale."""
 
+    def describe(self) -> dict:
+        """What a draft pass streams of its layers' weights (protocol.Drafter): their dtype."""
+        return {"storage": str(self.layers[0].mlp.gate_proj.weight.dtype).removeprefix("torch.")}
+
     # --- binding to the target --------------------------------------------------------------------------
     def bind(self, target) -> "DFlashDrafter":
         self.cfg.check_target(target.cfg)
@@ -429,7 +434,7 @@ def untrained_drafter(target, num_layers: int = 1, block_size: int = 16, seed: i
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     if draft_vocab is not None:
-        drafter.set_draft_vocab(draft_vocab, target.lm_head.weight)
+        drafter.set_draft_vocab(draft_vocab, reference(target).lm_head.weight)
     return drafter.to(device=target.device, dtype=target.dtype).eval().bind(target)
 
 

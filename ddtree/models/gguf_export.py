@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..base.config import ConfigError
+from .protocol import reference
 
 # our config arch -> gguf architecture name (Mistral without sliding windows runs as llama in llama.cpp)
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -53,7 +54,7 @@ def _tensors(target, arch: str):
 
     cfg = target.cfg
     name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, GGUF_ARCHS[arch].upper()), cfg.num_layers)
-    state = target.state_dict()
+    state = reference(target).state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # llama.cpp ties a missing output.weight to token_embd
     for key, tensor in state.items():

@@ -148,6 +148,7 @@ class HFTarget(nn.Module):
         return TreeCache(self.layer_types, self.windows, capacity)
 
     quant = None  # the model's own weights, whatever they are
+    step_ops = None  # the engine's own step operations
 
     def lazy_logits(self, rows: int) -> bool:
         return False  # forward() has no row_logits: the model's head runs over all rows

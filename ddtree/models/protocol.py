@@ -1,15 +1,29 @@
-"""What the decoding loop, the drafter and the tools may ask of a target: the one interface that the own-code
-model (ddtree.models.target.TargetModel) and the generic transformers backend (ddtree.models.hf_target.HFTarget) implement.
+"""What the decoding loop, the drafter and the tools may ask of a target (Target), of a drafter (Drafter), and of the
+step's host operations (StepOps).
 
-Nothing outside a target's own module asks it anything else: which fast paths it runs is its own business, and
-what of them matters to others (the verify-cost curve's key, the stats) comes from `describe()`.
+Target is implemented by the own-code model (ddtree.models.target.TargetModel), the generic transformers backend
+(ddtree.models.hf_target.HFTarget) and the runtimes around the own-code model (ddtree/runtime/cpu, ddtree/runtime/gpu);
+Drafter by the reference DFlashDrafter (ddtree.models.drafter) and the runtimes around it. Nothing outside a model's own
+module asks it anything else: which fast paths it runs is its own business, and what of them matters to others (the
+verify-cost curve's key, the stats) comes from `describe()`. A runtime is a plain object that implements the protocol
+itself and holds its reference model as `.model` (reference() below): training, saving and weight surgery go there.
+A test plants an oracle by setting `draft` on a drafter instance (every drafter is a plain object: the instance
+attribute shadows the method).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+from torch import nn
+
+
+def reference(model) -> nn.Module:
+    """The reference module a loaded model runs: a runtime's `.model`, or the model itself when it is one (a target
+    or drafter no runtime wraps). What to train, save, export or change the weights of."""
+    return model if isinstance(model, nn.Module) else model.model
 
 
 @dataclass
@@ -41,6 +55,7 @@ class Target(Protocol):
     backend: str  # "own", or "hf:<the model's attention implementation>"
     attention_backend: str  # ddtree's attention for passes over this target's cache ("sdpa" / "triton")
     quant: str | None  # the block formats its linear layers run on (quant="gguf"), or None
+    step_ops: "StepOps | None"  # the step's host operations its runtime supplies (chosen at load); None: the engine's
 
     @property
     def device(self) -> torch.device: ...
@@ -73,3 +88,74 @@ class Target(Protocol):
     def describe(self) -> dict:
         """What, beyond its shape, dtype and device, sets the cost of its passes: the fast paths it runs
         (part of the verify-cost curve's key). Empty where nothing does."""
+
+
+class Drafter(Protocol):
+    """A DFlash drafter as the decoding loop uses it, bound to its target (batch size 1)."""
+    cfg: object  # ddtree.models.drafter.DrafterConfig
+    label: str  # what the stats call it: "shipped", "untrained" or the path it was loaded from
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def markov(self):
+        """Its Markov head (ddtree/models/markov.py: parent-conditioned trees), or None."""
+
+    @property
+    def d2t(self) -> torch.Tensor:
+        """With a reduced draft vocabulary: draft id j is target id j + d2t[j] (LongTensor [draft vocab])."""
+
+    def new_cache(self, capacity: int):
+        """An empty context cache (ddtree.models.kv_cache.ContextCache)."""
+
+    def add_context(self, cache, features: torch.Tensor) -> None:
+        """Queue (a ContextCache) or compute (any other cache) the context K/V of the next n committed tokens from
+        the target's tap features [n, taps * H]."""
+
+    def flush_context(self, cache) -> None:
+        """Compute the queued context now."""
+
+    def draft(self, cache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """One block pass from the bonus token [1]: logits [length - 1, draft vocab] for block positions 1..length-1."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [N, H] -> logits over the draft vocabulary."""
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids (any shape) -> the target's token ids."""
+
+    def refresh(self) -> "Drafter": ...
+
+    def check_fresh(self) -> None: ...
+
+    def describe(self) -> dict:
+        """What sets its draft pass's cost beyond its shape: {"storage": what a pass streams of its layers' weights}."""
+
+
+class StepOps(Protocol):
+    """A speculative step's host operations, one object chosen at load by the target's runtime (ddtree/runtime):
+    the engine's reference ones in numpy / torch (ddtree.engine.step_ops), or a CPU runtime's in its C++ kernel
+    (ddtree.runtime.cpu.step_ops, the same results). The engine asks no model how to do these."""
+
+    def tree_nodes(self, drafter: Drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int) -> tuple:
+        """A draft's best-first nodes from its log-probs [depth, draft vocab]: (parents [n + 1], depths [n + 1] as
+        numpy int64, draft ids LongTensor [n], path log-probs [n] as numpy), n <= budget, in pop order (any prefix
+        is a tree); from each node's own conditional where the drafter has a Markov head."""
+
+    def chain_ids(self, drafter: Drafter, logits: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """A linear draft's ids [length - 1]: each position's argmax (given the token before it, with a Markov head)."""
+
+    def tree_tokens(self, drafter: Drafter, bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The tree's tokens [n + 1] in the target's vocabulary: the root bonus [1], then the draft ids [n]."""
+
+    def visibility(self, parents: np.ndarray, depths: np.ndarray, start: int,
+                   device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The verify pass's ancestor mask (bool [N, N]; None for a lone root) and positions [N] after `start`."""
+
+    def greedy_walk(self, tree, ancestors, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Greedy acceptance over all N nodes' logits [N, V]: (the accepted path's node indices, the target's
+        choice at each node) as tree.walk returns them."""

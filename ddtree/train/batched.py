@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..models.attention import Visibility
 from ..base.config import SamplingParams
 from ..models.kv_cache import KVCache
+from ..models.protocol import reference
 from ..engine.sampling import choose
 
 
@@ -150,7 +151,8 @@ class BatchedDecoder:
             visible = (torch.arange(span, device=dev)[None, :] <= pos[a:b, None])[:, None, None, :]  # [b-a,1,1,span]
             groups.append((a, b, span, visible))
         h = t.embed(tokens)  # [S, H]
-        cos, sin = t.rotary(pos, h.dtype)  # [S, D]: each row at its own position
+        model = reference(t)  # its layers, one row per slot (the runtime's passes are one sequence's)
+        cos, sin = model.rotary(pos, h.dtype)  # [S, D]: each row at its own position
 
         def attend(i, q, k, v):  # q [Hq, S, D], k, v [Hkv, S, D]: one new row per slot
             self.k[i, slot_idx, head_idx, pos[:, None]] = k.transpose(0, 1)  # row s writes at its own position
@@ -161,9 +163,9 @@ class BatchedDecoder:
                                                           attn_mask=visible) for a, b, span, visible in groups])
             return o.reshape(self.slots, cfg.num_heads, cfg.head_dim).transpose(0, 1)
 
-        for i, layer in enumerate(t.model.layers):  # rows play the role of tokens: [S, H]
+        for i, layer in enumerate(model.model.layers):  # rows play the role of tokens: [S, H]
             h = layer(h, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
-        logits = t.logits(t.model.norm(h))  # [S, V]
+        logits = t.logits(model.model.norm(h))  # [S, V]
         greedy = logits.argmax(-1).tolist()
         for s, row in enumerate(self.rows):
             if row is not None:  # an idle row (no jobs left) stays at length 0, rewriting position 0

@@ -21,6 +21,7 @@ import torch
 
 from ..base.config import ConfigError
 from ..models.drafter import DFlashDrafter
+from ..models.protocol import reference
 
 
 def grow_drafter(drafter: DFlashDrafter, layers: int | None = None, taps: list[int] | None = None,
@@ -28,6 +29,7 @@ def grow_drafter(drafter: DFlashDrafter, layers: int | None = None, taps: list[i
     """A new drafter with `layers` draft layers and tap layers `taps` (each default: the drafter's own) that
     computes what `drafter` computes. Its old taps must all be among the new ones; layers may only grow. The new
     layers' other weights are seeded N(0, 0.02) and their norms 1, as in `untrained_drafter`."""
+    drafter = reference(drafter)
     cfg = drafter.cfg
     old_layers, old_taps = cfg.model.num_layers, list(cfg.target_layer_ids)
     layers = old_layers if layers is None else layers
@@ -80,6 +82,7 @@ def layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int]) -> 
     """`drafter` (in place) with draft layer k's weights copied from target layer layer_ids[k]. The shapes agree:
     a drafter is shaped after its target (`untrained_drafter`). fc, the head and the q/k norms (which a Llama
     target lacks; they stay 1) keep their init."""
+    drafter, target = reference(drafter), reference(target)
     layers = drafter.cfg.model.num_layers
     if len(layer_ids) != layers:
         raise ConfigError(f"--layers-from-target names {len(layer_ids)} target layers for {layers} draft layers: "

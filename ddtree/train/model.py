@@ -27,6 +27,7 @@ from torch import nn
 
 from ..models.attention import Visibility
 from ..models.markov import row_log_likelihood
+from ..models.protocol import reference
 from .fused_ce import head_acceptance_loss, head_soft_cross_entropy, merge_duplicate_ids
 
 
@@ -134,6 +135,7 @@ def drafter_block_hidden(drafter, features: torch.Tensor, block: torch.Tensor, p
                          bounds: torch.Tensor | None = None) -> torch.Tensor:
     """features [T, taps*H]; block tokens / positions [A, B] (packed coordinates); bounds [S+1] for a pack.
     Returns the final-normed hidden [A, B, H]."""
+    drafter = reference(drafter)
     a, b = block.shape
     seq_len = features.shape[0]
     _, starts, _, ctx_positions = spans(anchors, seq_len, bounds)
@@ -162,7 +164,7 @@ def target_to_draft(drafter) -> torch.Tensor | None:
 
 def draft_head(drafter, target) -> torch.Tensor:
     """The LM head the drafter predicts with: its own over a reduced vocabulary, else the target's."""
-    return drafter.lm_head.weight if drafter.cfg.reduced_vocab else target.lm_head.weight
+    return reference(drafter).lm_head.weight if drafter.cfg.reduced_vocab else reference(target).lm_head.weight
 
 
 OBJECTIVES = ("ce", "tv", "ce+tv")  # DraftLoss's training objectives
@@ -196,6 +198,7 @@ class DraftLoss(nn.Module):
         if markov_weight < 0 or (markov_weight > 0 and drafter.markov is None):
             raise ValueError(f"markov_weight must be >= 0 and needs a drafter with a Markov head, got {markov_weight} "
                              f"for a drafter {'with' if drafter.markov is not None else 'without'} one")
+        drafter, target = reference(drafter), reference(target)  # the modules themselves: trained, or frozen
         self.drafter, self.distill, self.objective, self.markov_weight = drafter, distill, objective, markov_weight
         self._frozen = (target.requires_grad_(False),)  # kept out of the module tree: never trained
         b = drafter.cfg.block_size

@@ -25,6 +25,7 @@ import torch
 from ..models.markov import (SMALL_TREE_CANDIDATES, MarkovHead, candidate_count, conditional_best_first,
                       conditional_logprobs, head_tree_nodes)
 from ..engine.tree import best_first_nodes
+from ..models.protocol import reference
 from .model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
 
 
@@ -47,12 +48,12 @@ class BlockDrafts:
 
 @torch.inference_mode()
 def block_drafts(target, drafter, tokens: list[int], prompt_len: int) -> BlockDrafts:
-    cfg = drafter.cfg
+    cfg, drafter = drafter.cfg, reference(drafter)
     ids = torch.tensor(tokens, device=target.device)
     feats = target_features(target, ids, cfg.target_layer_ids).to(drafter.fc.weight.dtype)
     anchors = torch.arange(max(1, prompt_len), ids.numel() - 1, device=ids.device)
     block, positions, labels = block_inputs(ids, anchors, cfg.block_size, cfg.mask_token_id)
-    hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, target.model.embed_tokens)
+    hidden = drafter_block_hidden(drafter, feats, block, positions, anchors, reference(target).model.embed_tokens)
     head = draft_head(drafter, target)
     logprobs = (hidden[:, 1:] @ head.to(hidden.dtype).T).float().log_softmax(dim=-1)  # [A, B-1, draft vocab]
     labels = labels.clamp(min=-1)

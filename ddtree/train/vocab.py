@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from ..models.drafter import DFlashDrafter
+from ..models.protocol import reference
 from .data import Sequence
 
 
@@ -44,6 +45,7 @@ def with_draft_vocab(drafter, ids: torch.Tensor, head_weight: torch.Tensor):
     """A copy of `drafter` predicting over the draft vocabulary `ids`: the same layers, its own head made of
     the rows `ids` of `head_weight` [V, H] (the target's LM head). A Markov head is left out: it reads the old
     draft vocabulary."""
+    drafter = reference(drafter)
     cfg = replace(drafter.cfg, draft_vocab_size=int(ids.numel()), markov=None)
     new = DFlashDrafter(cfg, drafter.attention_backend)
     own = {k: v for k, v in drafter.state_dict().items()

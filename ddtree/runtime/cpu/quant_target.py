@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ...base.config import ConfigError
+from ...models.protocol import reference
 from .qlinear import KINDS, QLinear, QWeight
 
 # our module path within a layer -> the GGUF tensor name (blk.{i}.NAME.weight)
@@ -90,7 +91,7 @@ def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]
     except Exception as e:  # noqa: BLE001 - gguf raises many types for a bad file
         raise ConfigError(f"cannot read GGUF {gguf_path} ({type(e).__name__}: {e})") from e
     cfg, layers = target.cfg, []
-    for i, layer in enumerate(target.model.layers):
+    for i, layer in enumerate(reference(target).model.layers):
         quant = {}
         for path, gguf_name in LAYER_TENSORS.items():
             name = f"blk.{i}.{gguf_name}.weight"
@@ -100,7 +101,7 @@ def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]
             quant[path] = _matching(tensors[name], layer.get_submodule(path).weight.detach(), heads, name)
         layers.append(quant)
     head_name = "output.weight" if "output.weight" in tensors else "token_embd.weight"
-    return layers, _matching(tensors[head_name], target.lm_head.weight.detach(), None, head_name)
+    return layers, _matching(tensors[head_name], reference(target).lm_head.weight.detach(), None, head_name)
 
 
 def fused_groups(quant: dict[str, QWeight | None]) -> tuple[QWeight | None, ...]:
@@ -140,8 +141,9 @@ def _swap_layer(layer, quant: dict[str, QWeight | None]) -> None:
 def dequantized_state(target) -> dict[str, torch.Tensor]:
     """The float state dict of a quantized target: its QLinears' weights dequantized (exactly the float model's).
     For the `hf` peer, which runs transformers on the same weights."""
-    state = dict(target.state_dict())
-    for name, module in target.named_modules():
+    model = reference(target)
+    state = dict(model.state_dict())
+    for name, module in model.named_modules():
         if isinstance(module, QLinear) and not name.endswith(("qkv_proj", "gate_up_proj")):  # fused: not HF's
             state[f"{name}.weight"] = module.weight.dequantize()
             if module.bias is not None:

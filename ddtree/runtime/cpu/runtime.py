@@ -5,8 +5,9 @@ CPUDrafter wrap them and own everything CPU-specific: the C++ layer stacks (stac
 copies of the weights, the exact GGUF blocks (exact_blocks.py), the quantized target (quant_target.py), the
 heads' 1-row transposes, the row and thread thresholds, and the guard that re-makes the copies when the weights
 change (weights_watch.py). A pass the runtime has no fast path for (a long prefill, a windowed drafter layer)
-runs the reference's own code. Every attribute a wrapper does not define is its reference model's, so
-`pair.target.model.layers`, `pair.drafter.save(...)` and training reach the model itself.
+runs the reference's own code. Each runtime implements its protocol (models/protocol.py: Target, Drafter) itself,
+forwards nothing, and holds the reference as `.model`: training, saving and weight surgery go there
+(`pair.drafter.model.save(...)`), and the guard sees the change.
 
 The fast paths are held bit-equal to the reference arithmetic by tests (tests/test_cpu_stack.py and the
 lossless tests): the stack sums every output in the row kernel's one order, whatever the number of rows.
@@ -20,9 +21,10 @@ from ...base.config import ConfigError
 from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
 from ...models.protocol import RowLogits, TargetOutput
 from ...models.target import TargetModel
-from ...models.wrapping import RuntimeWrapper
+from ..base import DrafterRuntime, TargetRuntime
 from . import exact_blocks, qlinear, stack
 from .quant_target import int8_activations, quantize_target
+from .step_ops import KernelStepOps
 from .weights_watch import STALE, WeightsWatch
 
 # float32, one thread: from this many verified nodes, RowLogits (only the rows a walk reads) beat all rows at once
@@ -42,7 +44,8 @@ def applies(model) -> bool:
 
 
 class Linear:
-    """A linear layer's CPU implementation for inference, chosen once from what its weight allows:
+    """A linear layer's CPU implementation for inference, chosen at construction per pass width (1..widest_rows rows,
+    then wider) at the current thread count (retune() chooses again for another), from what its weight allows:
 
     - exact GGUF blocks (`blocks`, same bits, fewer bytes) for passes of up to `block_rows` rows;
     - a compact copy (qlinear 8-bit blocks or bf16, where the weight's values all are such: stack.compact_copy);
@@ -50,62 +53,71 @@ class Linear:
     - one row on one thread: x @ a contiguous transpose [in, out], which torch's GEMV streams faster than
       F.linear's [out, in] (on more threads the row kernel splits the rows over them, and torch's GEMV does not);
     - 2..stack.MAX_ROWS rows (and 1 row where a transpose is kept): the row-invariant kernel;
-    - else torch's F.linear."""
+    - else torch's F.linear.
+    Inputs a pass never gives (not [N, in] float32, or under autograd) take torch's (or the QWeight's) general path."""
 
     def __init__(self, weight, kernel, blocks: qlinear.QWeight | None = None, block_rows: int = 0,
-                 compact: bool = False, transposed: bool = False, bias: torch.Tensor | None = None,
-                 int8: bool = False):
-        self.weight, self.kernel, self.blocks, self.block_rows, self.bias = weight, kernel, blocks, block_rows, bias
+                 compact: bool = False, transposed: bool = False, int8: bool = False):
+        self.weight, self.kernel, self.blocks, self.block_rows = weight, kernel, blocks, block_rows
         is_f32 = isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
         # int8: a compact 8-bit copy runs with int8 activations (a quant='gguf-int8' target's drafter)
         self.compact = stack.compact_copy(weight, int8) if compact and kernel is not None and is_f32 else None
         self.transposed = weight.detach().t().contiguous() if transposed and is_f32 else None
         self.skinny = (kernel is not None and is_f32 and weight.dim() == 2 and weight.shape[1] % 64 == 0
                        and weight.is_contiguous())
+        self.widest_rows = max(stack.MAX_ROWS, block_rows if blocks is not None else 0)
+        self.general = weight.matmul if not isinstance(weight, torch.Tensor) else self._torch
+        self.retune()
+
+    def retune(self) -> None:
+        """Choose each pass width's implementation for the current thread count (torch.get_num_threads())."""
+        self.threads = torch.get_num_threads()
+        self.by_rows = [None] + [self._choose(rows) for rows in range(1, self.widest_rows + 2)]  # [widest + 1]: wider
+
+    def _choose(self, rows: int):
+        if self.blocks is not None and rows <= self.block_rows:
+            return self.blocks.matmul
+        if self.compact is not None:
+            return lambda x: stack.compact_linear(x, self.compact)
+        if not isinstance(self.weight, torch.Tensor):
+            return self.weight.matmul
+        if self.transposed is not None and rows == 1 and self.threads == 1:
+            return lambda x: x @ self.transposed
+        if self.skinny and (rows > 1 or self.transposed is not None) and rows <= stack.MAX_ROWS:
+            return lambda x: self.kernel.f32_linear(x, self.weight)
+        return self._torch
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, in] -> [N, out]."""
-        rows, weight = x.shape[0], self.weight
-        grad = torch.is_grad_enabled() and x.requires_grad
-        if self.blocks is not None and x.dim() == 2 and rows <= self.block_rows and not grad:
-            y = self.blocks.matmul(x.contiguous())
-        elif self.compact is not None and x.dim() == 2 and not grad:
-            y = stack.compact_linear(x, self.compact)
-        elif not isinstance(weight, torch.Tensor):
-            y = weight.matmul(x)
-        elif self.transposed is not None and rows == 1 and torch.get_num_threads() == 1:
-            y = x @ self.transposed
-        elif (self.skinny and (rows > 1 or self.transposed is not None) and rows <= stack.MAX_ROWS and x.dim() == 2
-              and x.dtype == torch.float32 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-            y = self.kernel.f32_linear(x.contiguous(), weight)
-        else:
-            return F.linear(x, weight, self.bias)
-        return y if self.bias is None else y + self.bias
+        if (x.dim() == 2 and x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (x.requires_grad or getattr(self.weight, "requires_grad", False)))):
+            return self.by_rows[min(x.shape[0], self.widest_rows + 1)](x.contiguous())
+        return self.general(x)
 
 
-class CPUTarget(RuntimeWrapper):
-    """The reference TargetModel (`reference`) with its CPU fast paths (protocol.Target): all layers in one C++ call
-    for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given."""
+class CPUTarget(TargetRuntime):
+    """The reference TargetModel (`model`) with its CPU fast paths (protocol.Target): all layers in one C++ call
+    for passes of 1..stack.MAX_ROWS rows, the LM head through Linear, the exact GGUF blocks where given, and the
+    step's host operations in the kernel (step_ops)."""
 
-    _OWN = frozenset({"reference", "quant", "kernel", "blocks", "stack", "head", "watch"})
+    quant = None
 
-    def __init__(self, reference, cpu_kernel: str = "auto", quant: str | None = None, blocks=None):
-        own = object.__setattr__
-        own(self, "reference", reference)
-        own(self, "quant", quant)  # e.g. "gguf Q4_1/Q8_0": the layers run on the GGUF's blocks (quant_target.py)
-        own(self, "kernel", qlinear.kernel(cpu_kernel) if qlinear.cpu_kernel_available(cpu_kernel) else None)
-        own(self, "blocks", blocks)  # exact_blocks.ExactBlocks or None
+    def __init__(self, model, cpu_kernel: str = "auto", quant: str | None = None, blocks=None):
+        super().__init__(model)
+        self.quant = quant  # e.g. "gguf Q4_1/Q8_0": the layers run on the GGUF's blocks (quant_target.py)
+        self.int8 = int8_activations(quant)  # its products quantize their activations to int8 (quant='gguf-int8')
+        self.kernel = qlinear.kernel(cpu_kernel) if qlinear.cpu_kernel_available(cpu_kernel) else None
+        self.step_ops = KernelStepOps(self.kernel) if self.kernel is not None else None
+        self.blocks = blocks  # exact_blocks.ExactBlocks or None
         self._build()
-
-    @property
-    def int8(self) -> bool:
-        """Do its products quantize their activations to int8 (quant='gguf-int8')?"""
-        return int8_activations(self.quant)
 
     @torch.inference_mode(False)  # copies made during a pass (_follow_weights) stay ordinary tensors
     def _build(self) -> None:
         """The stack, the head and the guard, from the reference's current weights."""
-        ref, kernel = self.reference, self.kernel
+        ref, kernel = self.model, self.kernel
         layer_blocks = self.blocks.layers if self.blocks is not None else None
         self.stack = stack.build(ref.cfg, ref.model.layers, layer_blocks, kernel) if kernel and ref.fused else None
         if self.stack is None:
@@ -120,37 +132,21 @@ class CPUTarget(RuntimeWrapper):
         self.watch = WeightsWatch(ref.parameters) if not self.quant else None
 
     def __repr__(self) -> str:
-        return f"CPUTarget({self.describe()}, {self.reference!r})"
+        return f"CPUTarget({self.describe()}, {self.model!r})"
 
-    # --- protocol.Target --------------------------------------------------------------------------------
-    @property
-    def cfg(self):
-        return self.reference.cfg
+    def retune(self) -> None:
+        """Choose the LM head's implementation per pass width again, for the current thread count (a pass does this
+        itself when the count changed since)."""
+        self.head.retune()
 
-    @property
-    def backend(self) -> str:
-        return self.reference.backend
-
-    @property
-    def attention_backend(self) -> str:
-        return self.reference.attention_backend
-
-    @property
-    def device(self) -> torch.device:
-        return self.reference.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.reference.dtype
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.reference.embed(tokens)
-
+    # --- protocol.Target (its shape and identity: TargetRuntime) ----------------------------------------
     def new_cache(self, capacity: int) -> KVCache:
-        return self.reference.new_cache(capacity)
+        return self.model.new_cache(capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
+        if self.head.threads != torch.get_num_threads():
+            self.retune()
         return self.head(hidden)
 
     @torch.inference_mode()
@@ -158,7 +154,7 @@ class CPUTarget(RuntimeWrapper):
                  tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
         """TargetModel.forward, through the stack where it takes the pass."""
         self._follow_weights()
-        ref = self.reference
+        ref = self.model
         if stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):  # all layers in one C++ call
             h = ref.embed(tokens)  # [N, H]
             cos, sin = ref.rotary(positions, h.dtype)
@@ -234,23 +230,21 @@ class CPUTarget(RuntimeWrapper):
             raise ConfigError(STALE)
 
 
-class CPUDrafter(RuntimeWrapper):
-    """The reference DFlashDrafter (`reference`, bound to a CPUTarget) with its CPU fast paths: the draft layers
-    and the context pass as one C++ call each, and a reduced head through Linear."""
+class CPUDrafter(DrafterRuntime):
+    """The reference DFlashDrafter (`model`, bound to a CPUTarget) with its CPU fast paths (protocol.Drafter): the
+    draft layers and the context pass as one C++ call each, and a reduced head through Linear."""
 
-    _OWN = frozenset({"reference", "kernel", "int8", "stack", "context", "head", "watch"})
-
-    def __init__(self, reference, kernel, int8: bool = False):
-        object.__setattr__(self, "reference", reference)
-        object.__setattr__(self, "kernel", kernel)  # the compiled extension, or None (torch's matmuls)
+    def __init__(self, model, kernel, int8: bool = False):
+        super().__init__(model)
+        self.kernel = kernel  # the compiled extension, or None (torch's matmuls)
         # its 8-bit copies with int8 activations: the drafter of a quant='gguf-int8' target (the drafter's arithmetic
         # shapes only the tree, never the tokens)
-        object.__setattr__(self, "int8", int8)
+        self.int8 = int8
         self._build()
 
     @torch.inference_mode(False)  # copies made during a draft stay ordinary tensors
     def _build(self) -> None:
-        ref, kernel = self.reference, self.kernel
+        ref, kernel = self.model, self.kernel
         built = stack.build(ref.cfg.model, ref.layers, None, kernel, self.int8) if kernel is not None else None
         self.context = built is not None and stack.add_context(built, ref.fc.weight, ref.hidden_norm.weight,
                                                                ref.layers, self.int8)
@@ -264,31 +258,23 @@ class CPUDrafter(RuntimeWrapper):
         """Re-make the copies where a weight changed (an optimizer step between training's evaluations, a load)."""
         if self.watch.changed():
             self._build()
+        elif self.head is not None and self.head.threads != torch.get_num_threads():
+            self.head.retune()
 
     def __repr__(self) -> str:
-        return f"CPUDrafter({self.reference!r})"
+        return f"CPUDrafter({self.model!r})"
 
-    @property
-    def cfg(self):
-        return self.reference.cfg
-
-    @property
-    def block_size(self) -> int:
-        return self.reference.block_size
-
-    @property
-    def target(self):
-        return self.reference.target
-
+    # --- protocol.Drafter (its identity and vocabulary: DrafterRuntime) ---------------------------------
     def new_cache(self, capacity: int) -> ContextCache:
-        return self.reference.new_cache(capacity)
+        return self.model.new_cache(capacity)
 
-    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.reference.to_target_ids(ids)
+    def describe(self) -> dict:
+        """What a draft pass streams of its layers' weights: q8 / bf16 copies or float32 (stack.storage)."""
+        return {"storage": stack.storage(self.model.layers[0].mlp.gate_proj.weight)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits over the draft vocabulary (DFlashDrafter.logits)."""
-        return self.head(hidden) if self.head is not None else self.reference.target.logits(hidden)
+        return self.head(hidden) if self.head is not None else self.model.target.logits(hidden)
 
     def add_context(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlashDrafter.add_context: queued on a ContextCache, computed now on any other cache."""
@@ -304,7 +290,7 @@ class CPUDrafter(RuntimeWrapper):
     @torch.inference_mode()
     def _context(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlashDrafter.context_pass, as one C++ call instead of ~25 small torch ops where the stack has it."""
-        n, ref = features.shape[0], self.reference
+        n, ref = features.shape[0], self.model
         if self.context and features.dim() == 2 and features.dtype == torch.float32 and n <= stack.MAX_ROWS:
             positions = torch.arange(cache.length, cache.length + n, device=features.device)
             cos, sin = ref.rotary(positions, features.dtype)
@@ -318,7 +304,7 @@ class CPUDrafter(RuntimeWrapper):
         """DFlashDrafter.draft: logits [length - 1, draft vocab] for block positions 1..length-1."""
         self._current()  # once per draft: are its copies still the weights'?
         flush_context(cache, self._context)
-        ref = self.reference
+        ref = self.model
         h, cos, sin, visibility = ref.block_inputs(cache, bonus, length)
         if len({id(v) for v in visibility}) == 1 and stack.usable(self.stack, h.shape[0], ref.attention_backend,
                                                                    visibility[0]):

@@ -18,7 +18,8 @@ after the real rows, where the next pass or commit overwrites them.
 The runtime owns its caches (one per model, grown when a longer one is asked for and kept across generations),
 since a graph is bound to the cache it was captured on. Passes it has no graph for (the prompt's prefill, trees
 larger than the last bucket, a drafter with sliding-window or causal layers, the SDPA backend) run the reference
-eagerly on the same cache. `graphs=False` runs the same bucketed passes without capturing them (what the tests
+eagerly on the same cache. Each runtime implements its protocol (models/protocol.py) itself and holds the reference as
+`.model`. `graphs=False` runs the same bucketed passes without capturing them (what the tests
 do on a CPU, with Triton's interpreter): the arithmetic is the replay's.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ...models.attention import Visibility
 from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
 from ...models.protocol import TargetOutput
 from ...models.target import TargetModel
-from ...models.wrapping import RuntimeWrapper
+from ..base import DrafterRuntime, TargetRuntime
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # padded pass sizes; larger passes run eagerly
 
@@ -107,19 +108,17 @@ class Pass:
         return self.out
 
 
-class _Runtime(RuntimeWrapper):
-    """What the target's and the drafter's runtimes share: the reference they wrap (everything they do not define is
-    its own, read and written), a pool of one cache per kind, the passes captured on it."""
+class _Captured:
+    """What the target's and the drafter's runtimes share: a pool of one cache per kind, the passes captured on it
+    (the reference they run is `model`, from TargetRuntime / DrafterRuntime)."""
 
-    _OWN = frozenset({"reference", "graphs", "_cache", "_passes", "_weights", "_static"})
-
-    def __init__(self, reference, graphs: bool):
-        object.__setattr__(self, "reference", reference)
-        object.__setattr__(self, "graphs", graphs)
-        object.__setattr__(self, "_cache", None)
-        object.__setattr__(self, "_passes", {})
-        object.__setattr__(self, "_weights", None)
-        object.__setattr__(self, "_static", _Static(next(reference.parameters()).device, BUCKETS[-1]))
+    def __init__(self, model, graphs: bool):
+        super().__init__(model)
+        self.graphs = graphs
+        self._cache = None
+        self._passes = {}
+        self._weights = None
+        self._static = _Static(next(model.parameters()).device, BUCKETS[-1])
 
     def _pooled(self, capacity: int, make) -> KVCache:
         """The runtime's cache, reset, reporting `capacity` while its tensors keep BUCKETS[-1] rows more (a
@@ -141,16 +140,16 @@ class _Runtime(RuntimeWrapper):
     def check_fresh(self) -> None:
         """Before each generation (protocol.Target): graphs read the weights' storage, so where a parameter was
         replaced (not written in place) since they were captured, they are captured again."""
-        key = tuple(p.data_ptr() for p in self.reference.parameters())
+        key = tuple(p.data_ptr() for p in self.model.parameters())
         if key != self._weights:
             self._passes.clear()
-            object.__setattr__(self, "_weights", key)
-        self.reference.check_fresh()
+            self._weights = key
+        self.model.check_fresh()
 
     def refresh(self):
         self._passes.clear()
-        object.__setattr__(self, "_weights", None)
-        self.reference.refresh()
+        self._weights = None
+        self.model.refresh()
         return self
 
 
@@ -164,14 +163,15 @@ class _Static:
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
 
 
-class GPUTarget(_Runtime):
+class GPUTarget(_Captured, TargetRuntime):
     """The target on CUDA with its verify passes captured per tree-size bucket."""
 
     def __repr__(self) -> str:
-        return f"GPUTarget(graphs={self.graphs}, {self.reference!r})"
+        return f"GPUTarget(graphs={self.graphs}, {self.model!r})"
 
+    # --- protocol.Target (its passes here; its shape and identity: TargetRuntime) ----------------------
     def describe(self) -> dict:
-        return {**self.reference.describe(), "runtime": "cuda-graphs" if self.graphs else "bucketed"}
+        return {**self.model.describe(), "runtime": "cuda-graphs" if self.graphs else "bucketed"}
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
@@ -185,7 +185,7 @@ class GPUTarget(_Runtime):
         size = bucket(n)
         if (size is None or last_only or vis.past is not None or not self._owns(cache)
                 or cache.length + size > cache.k.shape[2]):
-            return self.reference(tokens, positions, cache, vis, tap_layers, last_only, row_logits)
+            return self.model(tokens, positions, cache, vis, tap_layers, last_only, row_logits)
         taps = tuple(tap_layers)
         s = self._static
         s.past.fill_(cache.length)
@@ -203,7 +203,7 @@ class GPUTarget(_Runtime):
         return TargetOutput(logits[:n], None if features is None else features[:n].clone())
 
     def _make_pass(self, cache: KVCache, size: int, taps: tuple[int, ...]) -> Pass:
-        s, ref = self._static, self.reference
+        s, ref = self._static, self.model
         eye = torch.eye(size, dtype=torch.bool, device=self.device)
         identity = Visibility(0, eye).bits(size, self.device)  # each row sees itself: the padding rows' mask
         bits = identity.clone()
@@ -220,19 +220,20 @@ class GPUTarget(_Runtime):
         return p
 
 
-class GPUDrafter(_Runtime):
+class GPUDrafter(_Captured, DrafterRuntime):
     """The drafter on CUDA with its context and block passes captured (for drafters whose layers all see the whole
     context and block, the published DFlash design; others run the reference eagerly)."""
 
     def __repr__(self) -> str:
-        return f"GPUDrafter(graphs={self.graphs}, {self.reference!r})"
+        return f"GPUDrafter(graphs={self.graphs}, {self.model!r})"
 
+    # --- protocol.Drafter (its passes here; its identity and vocabulary: DrafterRuntime) ----------------
     @property
     def capturable(self) -> bool:
-        return all(self.cfg.layer_attention(i) == (None, False) for i in range(len(self.reference.layers)))
+        return all(self.cfg.layer_attention(i) == (None, False) for i in range(len(self.model.layers)))
 
     def new_cache(self, capacity: int) -> ContextCache:
-        m, w = self.cfg.model, self.reference.fc.weight
+        m, w = self.cfg.model, self.model.fc.weight
         return self._pooled(capacity, lambda rows: ContextCache(m.num_layers, m.num_kv_heads, m.head_dim, rows,
                                                                 w.dtype, w.device))
 
@@ -247,7 +248,7 @@ class GPUDrafter(_Runtime):
         n = features.shape[0]
         size = bucket(n)
         if size is None or not self._owns(cache) or not self.capturable or cache.length + size > cache.k.shape[2]:
-            return self.reference.context_pass(cache, features)
+            return self.model.context_pass(cache, features)
         self._static.past.fill_(cache.length)
         if ("context", size) not in self._passes:  # every bucket at once (the warm-ups write rows the pass rewrites)
             for b in BUCKETS if self.graphs else (size,):
@@ -258,7 +259,7 @@ class GPUDrafter(_Runtime):
         cache.commit(n)
 
     def _context_pass(self, cache: KVCache, size: int, width: int) -> Pass:
-        s, ref = self._static, self.reference
+        s, ref = self._static, self.model
         features = torch.zeros(size, width, dtype=ref.fc.weight.dtype, device=ref.fc.weight.device)
 
         @torch.inference_mode()
@@ -279,7 +280,7 @@ class GPUDrafter(_Runtime):
         length = length or self.block_size
         self.flush_context(cache)
         if not self._owns(cache) or not self.capturable or cache.length + length > cache.k.shape[2]:
-            return self.reference.draft(cache, bonus, length)
+            return self.model.draft(cache, bonus, length)
         self._static.past.fill_(cache.length)
         if ("block", length) not in self._passes:  # every length at once (budget="auto" drafts 2..block)
             for b in sorted({*range(2, self.block_size + 1), length}) if self.graphs else (length,):
@@ -288,7 +289,7 @@ class GPUDrafter(_Runtime):
         return self._passes[("block", length)].run()
 
     def _block_pass(self, cache: KVCache, length: int) -> Pass:
-        s, ref = self._static, self.reference
+        s, ref = self._static, self.model
         mask = torch.full((length - 1,), self.cfg.mask_token_id, dtype=torch.long, device=s.tokens.device)
         bits = torch.full((length, -(-length // 32)), -1, dtype=torch.int32, device=s.tokens.device)  # all visible
         vis = [DeviceVisibility(s.past, bits, lower_triangular=False)] * len(ref.layers)
