@@ -49,9 +49,6 @@ constexpr int64_t QK = 32;                       // values per block
 constexpr int64_t GROUP = 16;                    // outputs per record
 constexpr int64_t Q4_1_RECORD = 4 * 64 + 2 * 32;  // nibbles, d, m
 constexpr int64_t Q8_0_RECORD = 8 * 64 + 2 * 64;  // q, d, 128 * sum q
-// Rows whose accumulators stay in registers over a pass (with 8 lanes some weight vectors spill: reloading them costs
-// less than unpacking the weights again for a second chunk of rows).
-constexpr int ROWS = 8;
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead in the weight stream a block is prefetched
 
 // dpbusd: acc + the sums of 4 products u8 x s8 per int32 lane. DDTREE_EMULATE_VNNI (tests only) runs the VNNI code
@@ -140,6 +137,11 @@ inline VI dpbusd(VI acc, VI u, VI s) { return _mm256_dpbusd_epi32(acc, u, s); }
 inline VI dpbusd(VI acc, VI u, VI s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #endif
 #endif
+
+// Rows whose accumulators stay in registers over a pass: 16 with 32 zmm registers (a tree of up to 16 nodes unpacks
+// each block once), 8 with 16 ymm ones (some weight vectors spill: reloading them costs less than unpacking the
+// weights again for a second chunk of rows).
+constexpr int ROWS = L == 16 ? 16 : 8;
 
 #if DDTREE_VNNI && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
 inline VI dpbusd(VI acc, VI u, VI s) {  // exact for every operand: u8 and s8 widened to int16, pairs by madd

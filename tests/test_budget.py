@@ -107,6 +107,7 @@ class SleepyTarget:
     drafter's block pass 1 ms (a steep curve, so timer jitter cannot move the stopping size)."""
     block_size = 2
     device = torch.device("cpu")
+    step_ops = markov = None  # the engine's own step operations; no Markov head
 
     def __init__(self):
         self.cfg = SimpleNamespace(max_position_embeddings=4096, vocab_size=50, target_layer_ids=(0,))
@@ -116,16 +117,20 @@ class SleepyTarget:
         return SimpleNamespace(commit=lambda n: None)
 
     def __call__(self, ids, positions, cache, vis, taps, last_only=False):
-        if not last_only:  # a verify pass (the context prefill is last_only)
+        if not last_only:  # a verify pass (the context prefill and a plain step before a draft are last_only)
             self.sizes.append(len(ids))
             time.sleep(0.01 * len(ids) ** 2)
-        return SimpleNamespace(taps=None)
+        return SimpleNamespace(taps=torch.zeros(len(ids), 4))
 
     def add_context(self, cache, taps):
         pass
 
     def draft(self, cache, bonus, length):
         time.sleep(0.001)
+        return torch.zeros(length - 1, self.cfg.vocab_size)
+
+    def to_target_ids(self, ids):
+        return ids
 
 
 def test_calibration_stops_at_hopeless_sizes():
@@ -143,7 +148,7 @@ class DriftingTarget(SleepyTarget):
             self.sizes.append(len(ids))
             slow = 3.0 if len(self.sizes) > 3 + 2 * 3 else 1.0  # after the warm-up round and 2 of the 4 rounds
             time.sleep(0.005 * (0.5 if len(ids) == 2 else len(ids)) * slow)
-        return SimpleNamespace(taps=None)
+        return SimpleNamespace(taps=torch.zeros(len(ids), 4))
 
 
 def test_calibration_rounds_interleave_sizes_and_the_curve_never_falls():
@@ -169,6 +174,24 @@ def test_edge_calibration_learns_distrust_and_keeps_trust():
 
 def right_accepted(cal, logp, depths):
     return int(round(cal.predicted(logp, depths)))
+
+
+@pytest.mark.parametrize("truth", [1.0, 0.6])
+def test_edge_calibration_finds_a_drafters_true_scale(truth):
+    """A chain drafter that claims edge probability 0.8 at every depth, whose edges are right with 0.8 * truth:
+    c lands near `truth` (a calibrated drafter keeps full trust), where averaging per-step log-ratios drifted to
+    ~0.7 for a calibrated one (an accepted count is 0 or a few tokens, whatever the prediction)."""
+    rng = np.random.default_rng(0)
+    logp, depths = np.log(0.8 ** np.arange(1, 6)), np.arange(1, 6)
+    cal, seen = EdgeCalibration(), []
+    for step in range(600):
+        accepted = 0
+        while accepted < 5 and rng.random() < 0.8 * truth:
+            accepted += 1
+        cal.update(logp, depths, accepted)
+        if step >= 200:
+            seen.append(cal.c)
+    assert abs(np.median(seen) - truth) < 0.08, np.median(seen)
 
 
 def test_adaptive_budget_shrinks_for_a_confidently_wrong_drafter(pairs):
@@ -234,3 +257,29 @@ def test_draft_gate_explores_early_in_each_prompt_and_an_exploring_win_counts():
     assert [gate.draft_now(cost) for _ in range(4)] == [False, False, False, True] and gate.exploring
     gate.update(tokens=5, seconds=2.5)  # the exploring step pays (2 tokens/s): half the estimate moves
     assert gate.rate == pytest.approx(1.2) and gate.draft_now(cost) and not gate.exploring
+
+
+class CachedDrafter(SleepyTarget):
+    """A drafter whose pass costs 8 ms right after a target pass (its weights evicted) and 1 ms when it ran last:
+    calibrate() must time what decoding meets, a draft after a verify."""
+    def __init__(self):
+        super().__init__()
+        self.cold = True
+
+    def __call__(self, ids, positions, cache, vis, taps, last_only=False):
+        self.cold = True
+        return super().__call__(ids, positions, cache, vis, taps, last_only)
+
+    def draft(self, cache, bonus, length):
+        time.sleep(0.008 if self.cold else 0.001)
+        self.cold = False
+        return torch.zeros(length - 1, self.cfg.vocab_size)
+
+
+def test_drafts_are_timed_after_a_target_pass_and_the_host_work_is_in_the_fixed_cost():
+    fake = CachedDrafter()
+    fake.block_size = 4
+    cost = calibrate(fake, fake, context=8, sizes=(1, 2), repeats=3, stop_when_hopeless=False)
+    assert all(t > 0.007 for t in cost.draft_seconds), cost.draft_seconds  # cold, as in decoding: not 1 ms
+    assert list(cost.draft_seconds) == sorted(cost.draft_seconds)  # a longer draft never costs less
+    assert cost.fixed_seconds > cost.draft_seconds[-1]  # + the tree build and visibility, timed

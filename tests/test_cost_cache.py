@@ -12,10 +12,19 @@ from ddtree.base.cache import digest_json
 from ddtree.bench.testing import random_pair
 
 
+class Meter:
+    """A LoadMeter stand-in: `busy` cores used by other processes during every lap."""
+    busy = 0.0
+
+    def lap(self):
+        return self.busy
+
+
 @pytest.fixture
 def folder(tmp_path, monkeypatch):
     monkeypatch.setattr(cost_cache, "costs_dir", lambda: tmp_path)
     monkeypatch.setattr(cost_cache, "_measured", {})
+    monkeypatch.setattr(cost_cache, "LoadMeter", Meter)  # a quiet machine, whatever this one is doing
     return tmp_path
 
 
@@ -163,3 +172,16 @@ def test_an_unwritable_folder_is_a_notice_naming_the_fix(folder, counted, capsys
     cost_cache.verify_costs(target, drafter, 8, 257)
     err = capsys.readouterr().err
     assert "the disk is full" in err and "DDTREE_CACHE" in err
+
+
+def test_a_curve_measured_on_a_busy_machine_serves_this_process_only(folder, counted, capsys, monkeypatch):
+    """Other processes' load bends a curve for good once it is stored: it is used now, and measured again next time."""
+    monkeypatch.setattr(Meter, "busy", 0.8)
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    cost = cost_cache.verify_costs(target, drafter, 8, 257)
+    assert "0.80 cores" in capsys.readouterr().err and not list(folder.glob("*.json"))
+    assert cost_cache.verify_costs(target, drafter, 8, 257) is cost and len(counted) == 1  # this process keeps it
+    monkeypatch.setattr(cost_cache, "_measured", {})  # a new process, on a quiet machine
+    monkeypatch.setattr(Meter, "busy", 0.1)
+    cost_cache.verify_costs(target, drafter, 8, 257)
+    assert len(counted) == 2 and len(list(folder.glob("*.json"))) == 1

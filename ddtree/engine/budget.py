@@ -17,12 +17,13 @@ drafted steps are slower than plain ones.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..models.attention import Visibility
+from .step_ops import TorchStepOps
 from .tree import ancestor_matrix, chain_parents
 
 # every size up to 6 and some beyond: a CPU kernel's cost steps where its passes change shape (6 rows on AVX2, 13 with
@@ -43,6 +44,23 @@ class CostModel:
             raise ValueError("CostModel needs one verify time per size")
         if list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
+        # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule)
+        object.__setattr__(self, "_table", self._verify(np.arange(self.sizes[-1] + 1)))
+
+    def _verify(self, nodes: np.ndarray) -> np.ndarray:
+        """verify(n): piecewise linear through the measured sizes, with the last segment's slope beyond them."""
+        nodes = np.asarray(nodes, dtype=np.float64)
+        s, v = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.verify_seconds)
+        out = np.interp(nodes, s, v)
+        if len(s) > 1:
+            slope = (v[-1] - v[-2]) / (s[-1] - s[-2])
+            out = np.where(nodes > s[-1], v[-1] + slope * (nodes - s[-1]), out)
+        return out
+
+    @property
+    def plain_seconds(self) -> float:
+        """A plain step's verify: one node."""
+        return float(self._table[1]) if len(self._table) > 1 else float(self._verify(np.array([1]))[0])
 
     def fixed(self, length: int | None = None) -> float:
         """fixed_seconds for a draft of `length` positions (None: the whole block), scaled by the measured draft
@@ -55,13 +73,9 @@ class CostModel:
     def step_seconds(self, nodes: np.ndarray, length: int | None = None) -> np.ndarray:
         """Seconds of a step verifying `nodes` nodes (root included) after a draft of `length` positions (None:
         the whole block); linear beyond the last size."""
-        nodes = np.asarray(nodes, dtype=np.float64)
-        s, v = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.verify_seconds)
-        out = np.interp(nodes, s, v)
-        if len(s) > 1:  # extrapolate with the last segment's slope
-            slope = (v[-1] - v[-2]) / (s[-1] - s[-2])
-            out = np.where(nodes > s[-1], v[-1] + slope * (nodes - s[-1]), out)
-        return self.fixed(length) + out
+        nodes = np.asarray(nodes)
+        inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(self._table)
+        return self.fixed(length) + (self._table[nodes] if inside else self._verify(nodes))
 
 
 def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray | None = None,
@@ -88,12 +102,17 @@ class DraftGate:
     each new prompt (`restart`) starts that schedule again, and an exploring step weighs `explore_alpha` in
     the estimate, so a prompt where drafting pays is found within a few steps even after many where it did
     not. With a useless drafter the method so stays within a few percent of `ar`: on the 2-core AVX2 CPU an
-    exploring step costs ~1.5-3 plain ones; 1 in 8 cost ~5-20%, 3 per 64-token prompt ~2%."""
+    exploring step costs ~1.5-3 plain ones; 1 in 8 cost ~5-20%, 3 per 64-token prompt ~2%.
+    A step's rate is noisy (1 token or a few, whatever the tree), so the estimate wanders: drafting stops only while
+    the estimate is below plain decoding's rate by more than `confidence` of its own spread (the EMA's standard
+    error), so that a drafter that pays by a few percent keeps drafting, and one that loses stops as soon."""
     explore_every: int = 8
     max_interval: int = 64
     alpha: float = 0.1  # per drafted step: single steps are noisy (1 to block tokens); 0.2 measured worse
     explore_alpha: float = 0.5
+    confidence: float = 2.0  # standard errors of the estimate that it must fall below plain decoding by
     rate: float | None = None  # EMA of tokens / modeled second over drafted steps
+    spread: float = 0.0  # EMA of the squared deviations of the steps' rates from `rate`
     skipped: int = 0
     interval: int = 0  # plain steps between explorations now (explore_every .. max_interval)
     exploring: bool = False  # the current step explores
@@ -103,9 +122,9 @@ class DraftGate:
         self.skipped, self.interval = 0, self.explore_every
 
     def draft_now(self, cost: CostModel) -> bool:
-        ar_rate = 1.0 / float(cost.step_seconds(np.array([1]))[0] - cost.fixed_seconds)
+        ar_rate = 1.0 / cost.plain_seconds
         self.exploring = False
-        if self.rate is None or self.rate >= ar_rate:
+        if self.rate is None or self.rate + self.confidence * self.stderr() >= ar_rate:
             self.skipped, self.interval = 0, self.explore_every
             return True
         self.interval = self.interval or self.explore_every
@@ -116,9 +135,20 @@ class DraftGate:
         self.skipped += 1
         return False
 
+    def stderr(self) -> float:
+        """The standard error of the rate's EMA: a step rate's spread times sqrt(alpha / (2 - alpha))."""
+        return (self.spread * self.alpha / (2 - self.alpha)) ** 0.5
+
     def update(self, tokens: int, seconds: float) -> None:
         r, a = tokens / seconds, self.explore_alpha if self.exploring else self.alpha
-        self.rate = r if self.rate is None else (1 - a) * self.rate + a * r
+        if self.rate is None:
+            self.rate = r
+            return
+        self.spread = (1 - self.alpha) * self.spread + self.alpha * (r - self.rate) ** 2
+        self.rate = (1 - a) * self.rate + a * r
+
+
+DEPTHS = 17  # EdgeCalibration's depth slots to start with (a block of 16 positions; more are added when needed)
 
 
 @dataclass
@@ -126,26 +156,66 @@ class EdgeCalibration:
     """How far to trust the drafter's probabilities, learned online: each tree edge's probability is scaled by
     c in [0.01, 1], so a node at depth d counts p * c**d. A random or over-confident drafter (which predicts
     long accepted paths that never come) drives c down and the budget with it; a calibrated one keeps c ~ 1.
-    After each step c moves by (accepted + 0.5) / (predicted + 0.5), spread over the predicted path depth."""
+
+    c solves  sum_d P_d c**d = A  over the steps seen, each weighed `decay` per step since (about 1 / (1 - decay)
+    steps of memory): A the accepted draft tokens, P_d the summed probability of the verified nodes at depth d.
+    Ratios of sums, not an average of per-step ratios: one step's accepted count is 0 or a few tokens whatever
+    its prediction, and averaging the logs of such ratios drags c well below a calibrated drafter's 1. It starts
+    with `prior` tokens' worth of full trust (as many depth-1 nodes of probability 1, accepted), which the
+    evidence outweighs within a few steps."""
     c: float = 1.0
+    decay: float = 0.98
+    prior: float = 2.0
+    accepted: float = 0.0  # A
+    by_depth: np.ndarray = field(default_factory=lambda: np.zeros(1))  # P_d, index d (depth 0 unused)
+
+    def __post_init__(self):
+        self.accepted, self.by_depth = self.prior, np.zeros(DEPTHS)
+        self.by_depth[1] = self.prior
 
     def predicted(self, path_logprobs: np.ndarray, depths: np.ndarray) -> float:
         return float(np.sum(np.exp(path_logprobs) * self.c ** np.asarray(depths, dtype=np.float64)))
 
     def update(self, path_logprobs: np.ndarray, depths: np.ndarray, accepted: int) -> None:
         """accepted: draft tokens the target accepted this step (bonus excluded)."""
-        predicted = self.predicted(path_logprobs, depths)
-        mean_depth = max(1.0, predicted)  # the expected path length is about the predicted accepted count
-        ratio = (accepted + 0.5) / (predicted + 0.5)
-        self.c = float(np.clip(self.c * ratio ** (0.5 / mean_depth), 0.01, 1.0))
+        depths = np.asarray(depths, dtype=np.int64)
+        size = max(len(self.by_depth), int(depths.max()) + 1)
+        if size > len(self.by_depth):  # a deeper tree than any before (rare: a block past DEPTHS positions)
+            self.by_depth = np.concatenate([self.by_depth, np.zeros(size - len(self.by_depth))])
+        self.by_depth *= self.decay
+        self.by_depth += np.bincount(depths, weights=np.exp(path_logprobs), minlength=size)
+        self.accepted = self.decay * self.accepted + accepted
+        self.c = self._solve()
+
+    def _solve(self, lo: float = 0.01, hi: float = 1.0) -> float:
+        """The c in [lo, hi] with sum_d P_d c**d = A (the bound where none is inside): predicted mass rises with c.
+        Bisection in Python floats (a step's host time: ~20 us), to 1e-4 of the interval."""
+        coefficients, target = self.by_depth.tolist()[::-1], self.accepted
+
+        def excess(c: float) -> float:
+            total = 0.0
+            for p in coefficients:  # Horner: sum_d P_d c**d
+                total = total * c + p
+            return total - target
+
+        if excess(hi) <= 0:
+            return hi
+        if excess(lo) >= 0:
+            return lo
+        for _ in range(14):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+        return 0.5 * (lo + hi)
 
 
 @torch.inference_mode()
 def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repeats: int = 5,
               block_size: int | None = None, stop_when_hopeless: bool = True) -> CostModel:
     """Time the target's verify pass for each tree size (a chain: on these sizes the mask shape barely matters)
-    after `context` committed tokens, and the drafter's pass at each length; per pass the median of `repeats`
-    rounds over all of them, after a warm-up round.
+    after `context` committed tokens, and the drafter's pass at each length as decoding meets it: right after a
+    target pass (whose weights have evicted the drafter's from the caches) and with a step's accepted tokens'
+    context to compute first. Per pass the median of `repeats` rounds over all of them, after a warm-up round.
+    The step's host work (tree build, visibility, walk, commit) is timed on a draft's own log-probs.
     With stop_when_hopeless, sizes stop after the first whose step costs more than `block` plain steps: such a
     step loses to plain decoding even when the whole block is accepted, so no larger tree is worth timing (on
     a 2-core AVX2 CPU this skips the 128..512-node passes, seconds each)."""
@@ -169,34 +239,66 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
         return time.perf_counter() - t0
 
     block = block_size or drafter.block_size
-    dcache = drafter.new_cache(context + max(block, max(sizes)))
+    accepted = 2  # a step's accepted tokens: the next draft computes their context first
+    rounds = repeats + 2
+    dcache = drafter.new_cache(context + max(block, max(sizes)) + accepted * (block - 1) * rounds)
     drafter.add_context(dcache, out.taps)
-    bonus = ids[context:context + 1]
-    passes = [lambda n=n: drafter.draft(dcache, bonus, n) for n in range(2, block + 1)]
+    bonus, step_features = ids[context:context + 1], out.taps[-accepted:]
+    plain = (ids[context:context + 1], torch.arange(context, context + 1, device=device),
+             Visibility.causal(context, 1, device))
+
+    def draft_after_verify(n: int) -> float:
+        # a plain step's pass, not committed: what matters is the caches it leaves, not its K/V
+        target(*plain[:2], cache, plain[2], taps, last_only=True)
+        drafter.add_context(dcache, step_features)
+        return once(lambda: drafter.draft(dcache, bonus, n))
+
+    passes = [lambda n=n: draft_after_verify(n) for n in range(2, block + 1)]
     for fn in passes:  # warm-up
         fn()
-    # + tree build, compile, walk and commit: a few ms on a CPU, well under a verify pass; 10% of the draft
-    # pass stands in for them (the benchmark's stage times show the real split)
-    fixed = once(passes[-1]) * 1.1
+    host = _host_seconds(target, drafter, drafter.draft(dcache, bonus, block), bonus, max(1, min(8, max(sizes) - 1)),
+                         repeats)
+    fixed = passes[-1]() + host
     for n in sizes:  # a first (warm-up) round, which also finds the sizes worth timing
         parents, depths = chain_parents(n)
         anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if n > 1 else None
         vis, pos = Visibility(context, anc), torch.arange(context, context + n, device=device)
-        passes.append(lambda n=n, vis=vis, pos=pos: target(ids[context:context + n], pos, cache, vis, taps))
+        passes.append(lambda n=n, vis=vis, pos=pos: once(lambda: target(ids[context:context + n], pos, cache, vis,
+                                                                        taps)))
         passes[-1]()  # a first call may set up (a GPU runtime captures its graphs, Triton compiles): untimed
-        seconds = once(passes[-1])
+        seconds = passes[-1]()
         if n == sizes[0]:
             first = seconds
         if stop_when_hopeless and sizes[0] == 1 and fixed + seconds > block * first:
             break
     # then `repeats` rounds over every pass in turn, so that a machine whose speed drifts (other processes, clock)
     # shifts all sizes alike instead of bending the curve: auto's choices rest on the ratios between sizes
-    times = [[once(fn) for fn in passes] for _ in range(repeats)]
+    times = [[fn() for fn in passes] for _ in range(repeats)]
     medians = np.median(np.asarray(times), axis=0)
-    drafts, verify = tuple(float(t) for t in medians[:block - 1]), medians[block - 1:]
-    fixed = drafts[-1] * 1.1
+    drafts = tuple(float(t) for t in np.maximum.accumulate(medians[:block - 1]))  # longer drafts never cost less
+    verify = medians[block - 1:]
+    fixed = drafts[-1] + host
     verify = tuple(float(t) for t in np.maximum.accumulate(verify))  # more nodes never cost less: noise does
     return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts)
+
+
+def _host_seconds(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, budget: int, repeats: int) -> float:
+    """The median seconds of a step's host work beside its passes, on a draft's logits: the tree build (log-softmax,
+    best-first nodes, tokens) and the verify's visibility, with a tenth more standing in for the walk and commit."""
+    ops = target.step_ops or TorchStepOps()
+
+    def step() -> None:
+        parents, depths, ids, _ = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus, budget)
+        ops.tree_tokens(drafter, bonus, ids)
+        ops.visibility(parents, depths, 0, target.device)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1.1
 
 
 def _sync(device: torch.device) -> None:

@@ -27,8 +27,11 @@ import torch
 
 from .budget import CALIBRATION_SIZES, CostModel, calibrate
 from ..base.cache import cache_root, digest_json, notice, sweep, write_bytes, write_error
+from ..base.machine_load import LoadMeter
 
-FORMAT = 10  # bump when calibrate() measures differently or the passes change: older files then miss
+# a curve measured while other processes used more cores than this is not stored (the benchmark flags such runs too)
+BUSY_CORES = 0.25
+FORMAT = 11  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/runtime/cpu/stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
@@ -37,6 +40,8 @@ FORMAT = 10  # bump when calibrate() measures differently or the passes change: 
 # 9: the file carries its checksum (sha256)
 # 10: each size's hopeless-test pass runs once untimed first (a first call set up graphs or kernels: the curve
 #     stopped at 1-2 nodes on a GPU)
+# 11: drafts timed after a target pass with a step's context to flush (as decoding meets them: 2x the warm
+#     time on a CPU), the host work timed, not a tenth of the draft
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 
@@ -88,8 +93,14 @@ def verify_costs(target, drafter, block_size: int, max_nodes: int) -> CostModel:
     cost = read_costs(path, key)
     if cost is None:
         sizes = tuple(n for n in CALIBRATION_SIZES if n < max_nodes) + (max_nodes,)
+        meter = LoadMeter()
         cost = calibrate(target, drafter, sizes=sizes, block_size=block_size)
-        write_costs(path, key, cost)
+        busy = meter.lap()
+        if busy is not None and busy > BUSY_CORES:  # the curve is this moment's, not the machine's
+            notice(f"other processes used {busy:.2f} cores while the verify-cost curve was measured: it serves this "
+                   "process only, and is measured again next time")
+        else:
+            write_costs(path, key, cost)
     _measured[path.name] = cost
     return cost
 

@@ -147,11 +147,15 @@ class DDTree(Method):
             logits = drafter.draft(dcache, bonus, length)
         with timer("tree_build"):
             parents, depths, ids, scores = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
-                                                          min(self.budget, room - 1))
+                                                          self.heap_size(room))
             b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
             ids = ids[:b]  # [b] in the draft vocabulary
             return DraftTree(ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1],
                              draft_logits=logits, draft_ids=ids)
+
+    def heap_size(self, room: int) -> int:
+        """How many best-first nodes to pop this step (keep() verifies a prefix of them): the budget, in the room."""
+        return min(self.budget, room - 1)
 
     def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
         """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
@@ -167,30 +171,33 @@ class AdaptiveDDTree(DDTree):
     It drafts only as deep as its trees go: each draft covers one position more than the deepest tree kept in
     the last DEPTH_MEMORY drafted steps (at most the block), so a run of shallow trees (a CPU, where b* is
     often 1-4) stops paying for the block's unused positions, and a confident run deepens it by one per step.
+    Likewise it pops twice as many best-first nodes as the largest tree kept in those steps (at least HEAP_MIN),
+    not its whole budget: a heap of 64 nodes for a tree of 3 costs a CPU step more host time than the tree.
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
     greedy one (and back) until relearned."""
     DEPTH_MEMORY = 4
+    HEAP_MIN = 8
 
     def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
         super().__init__(spec, max_budget, block_size)
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the nodes verified in the current step
-        self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, depths, draft length)
+        self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, recent, draft length)
         self._regime = SamplingParams()  # greedy until prepare() says otherwise
-        self.calibration, self.gate, self._depths, self.block_size = self._fresh()
+        self.calibration, self.gate, self._recent, self.block_size = self._fresh()
 
     def _fresh(self) -> tuple:
         """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
-        recent tree depths and the next draft's length."""
+        recent trees' (depth, nodes) and the next draft's length."""
         return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length
 
     def _enter(self, sampling: SamplingParams) -> None:
         """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
-        self._regimes[self._regime] = (self.calibration, self.gate, self._depths, self.block_size)
-        self.calibration, self.gate, self._depths, self.block_size = self._regimes.get(sampling) or self._fresh()
+        self._regimes[self._regime] = (self.calibration, self.gate, self._recent, self.block_size)
+        self.calibration, self.gate, self._recent, self.block_size = self._regimes.get(sampling) or self._fresh()
         self._regime = sampling
 
     def longest_draft(self) -> int:
@@ -207,6 +214,10 @@ class AdaptiveDDTree(DDTree):
     def wants_draft(self) -> bool:
         return self.gate.draft_now(self.cost)
 
+    def heap_size(self, room: int) -> int:
+        largest = max((nodes for _, nodes in self._recent), default=self.budget)
+        return min(self.budget, room - 1, max(self.HEAP_MIN, 2 * largest))
+
     def keep(self, path_logprobs, depths):
         b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c, self.block_size)
         self._last = (path_logprobs[:b], depths[:b])
@@ -218,8 +229,8 @@ class AdaptiveDDTree(DDTree):
         logp, depths = self._last
         self.calibration.update(logp, depths, accepted)
         self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]), self.block_size)[0]))
-        self._depths.append(int(depths.max()))
-        self.block_size = min(self.max_length, max(self._depths) + 2)  # the next draft's positions
+        self._recent.append((int(depths.max()), len(logp)))
+        self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
         self._last = None
 
 

@@ -14,6 +14,8 @@ lossless tests): the stack sums every output in the row kernel's one order, what
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -200,7 +202,8 @@ class CPUTarget(TargetRuntime):
         if self.quant:
             out["quant"] = self.quant
         if self.stack is not None:
-            out.update(cpu_layers=True, cpu_kernel=self.kernel.isa)
+            # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
+            out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=Path(self.kernel.__file__).parent.name)
         if self.blocks is not None:
             out["exact_blocks"] = True
         return out
