@@ -283,3 +283,16 @@ def test_drafts_are_timed_after_a_target_pass_and_the_host_work_is_in_the_fixed_
     assert all(t > 0.007 for t in cost.draft_seconds), cost.draft_seconds  # cold, as in decoding: not 1 ms
     assert list(cost.draft_seconds) == sorted(cost.draft_seconds)  # a longer draft never costs less
     assert cost.fixed_seconds > cost.draft_seconds[-1]  # + the tree build and visibility, timed
+
+
+def test_choose_budget_is_the_argmax_of_the_rate_curve():
+    """The per-node loop picks what the whole curve's argmax picks, inside the measured sizes and past them."""
+    rng = np.random.default_rng(3)
+    cost = CostModel((1, 2, 4, 8, 16), (1.0, 1.1, 1.3, 1.9, 3.2), 0.4, (0.3, 0.35, 0.4))
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        logp = np.sort(np.log(rng.random(n) ** 3))[::-1].copy()
+        depths, c, length = rng.integers(1, 8, n), float(rng.uniform(0.3, 1.0)), int(rng.integers(2, 5))
+        p = np.exp(logp) * c ** depths
+        rate = (1.0 + np.cumsum(p)) / cost.step_seconds(np.arange(2, n + 2), length)
+        assert choose_budget(logp, cost, depths, c, length) == int(np.argmax(rate)) + 1

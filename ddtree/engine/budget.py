@@ -46,6 +46,7 @@ class CostModel:
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
         # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule)
         object.__setattr__(self, "_table", self._verify(np.arange(self.sizes[-1] + 1)))
+        object.__setattr__(self, "table", self._table.tolist())  # the same as Python floats
 
     def _verify(self, nodes: np.ndarray) -> np.ndarray:
         """verify(n): piecewise linear through the measured sizes, with the last segment's slope beyond them."""
@@ -82,15 +83,25 @@ def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray
                   edge_scale: float = 1.0, length: int | None = None) -> int:
     """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. With depths
     [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration).
-    length: the draft's positions (its cost is in every step; None: the whole block)."""
-    if len(path_logprobs) == 0:
+    length: the draft's positions (its cost is in every step; None: the whole block). One pass in Python floats
+    over the nodes (a handful on a CPU: numpy's per-call cost would be most of the step's host time)."""
+    n = len(path_logprobs)
+    if n == 0:
         raise ValueError("no draft nodes to choose from")
+    fixed, table = cost.fixed(length), cost.table
+    # past the measured sizes: the extrapolated curve, as a list (else table lookups)
+    verify = cost.step_seconds(np.arange(2, n + 2), length).tolist() if n + 1 >= len(table) else None
     p = np.exp(path_logprobs)
     if depths is not None and edge_scale != 1.0:
         p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
-    expected = 1.0 + np.cumsum(p)  # tokens per step for b = 1..len
-    rate = expected / cost.step_seconds(np.arange(2, len(path_logprobs) + 2), length)
-    return int(np.argmax(rate)) + 1
+    expected, best, best_rate = 1.0, 1, -1.0
+    for b, pb in enumerate(p.tolist(), start=1):  # a tree of b nodes: b + 1 rows with the root
+        expected += pb
+        seconds = verify[b - 1] if verify is not None else fixed + table[b + 1]
+        rate = expected / seconds
+        if rate > best_rate:
+            best, best_rate = b, rate
+    return best
 
 
 @dataclass

@@ -178,7 +178,7 @@ class AdaptiveDDTree(DDTree):
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
     greedy one (and back) until relearned."""
     DEPTH_MEMORY = 4
-    HEAP_MIN = 8
+    HEAP_MIN = 4
 
     def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
         super().__init__(spec, max_budget, block_size)
