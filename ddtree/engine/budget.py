@@ -46,7 +46,6 @@ class CostModel:
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
         # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule)
         object.__setattr__(self, "_table", self._verify(np.arange(self.sizes[-1] + 1)))
-        object.__setattr__(self, "table", self._table.tolist())  # the same as Python floats
 
     def _verify(self, nodes: np.ndarray) -> np.ndarray:
         """verify(n): piecewise linear through the measured sizes, with the last segment's slope beyond them."""
@@ -88,17 +87,14 @@ def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray
     n = len(path_logprobs)
     if n == 0:
         raise ValueError("no draft nodes to choose from")
-    fixed, table = cost.fixed(length), cost.table
-    # past the measured sizes: the extrapolated curve, as a list (else table lookups)
-    verify = cost.step_seconds(np.arange(2, n + 2), length).tolist() if n + 1 >= len(table) else None
+    seconds = cost.step_seconds(np.arange(2, n + 2), length).tolist()  # a tree of b nodes: b + 1 rows with the root
     p = np.exp(path_logprobs)
     if depths is not None and edge_scale != 1.0:
         p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
     expected, best, best_rate = 1.0, 1, -1.0
-    for b, pb in enumerate(p.tolist(), start=1):  # a tree of b nodes: b + 1 rows with the root
+    for b, (pb, step) in enumerate(zip(p.tolist(), seconds), start=1):
         expected += pb
-        seconds = verify[b - 1] if verify is not None else fixed + table[b + 1]
-        rate = expected / seconds
+        rate = expected / step
         if rate > best_rate:
             best, best_rate = b, rate
     return best
@@ -177,8 +173,8 @@ class EdgeCalibration:
     c: float = 1.0
     decay: float = 0.98
     prior: float = 2.0
-    accepted: float = 0.0  # A
-    by_depth: np.ndarray = field(default_factory=lambda: np.zeros(1))  # P_d, index d (depth 0 unused)
+    accepted: float = field(init=False)  # A
+    by_depth: np.ndarray = field(init=False)  # P_d [DEPTHS or more], index d (depth 0 unused)
 
     def __post_init__(self):
         self.accepted, self.by_depth = self.prior, np.zeros(DEPTHS)
@@ -267,8 +263,10 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     passes = [lambda n=n: draft_after_verify(n) for n in range(2, block + 1)]
     for fn in passes:  # warm-up
         fn()
-    host = _host_seconds(target, drafter, drafter.draft(dcache, bonus, block), bonus, max(1, min(8, max(sizes) - 1)),
-                         repeats)
+    host_step = _host_step(target, drafter, drafter.draft(dcache, bonus, block), bonus, max(1, min(8, max(sizes) - 1)))
+    host_step()  # warm-up
+    # + a tenth standing in for the walk and commit
+    host = float(np.median([once(host_step) for _ in range(repeats)])) * 1.1
     fixed = passes[-1]() + host
     for n in sizes:  # a first (warm-up) round, which also finds the sizes worth timing
         parents, depths = chain_parents(n)
@@ -293,9 +291,9 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts)
 
 
-def _host_seconds(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, budget: int, repeats: int) -> float:
-    """The median seconds of a step's host work beside its passes, on a draft's logits: the tree build (log-softmax,
-    best-first nodes, tokens) and the verify's visibility, with a tenth more standing in for the walk and commit."""
+def _host_step(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, budget: int):
+    """A step's host work beside its passes, on a draft's logits, as a function to time: the tree build (log-softmax,
+    best-first nodes, tokens) and the verify's visibility, with the target's step operations."""
     ops = target.step_ops or TorchStepOps()
 
     def step() -> None:
@@ -303,13 +301,7 @@ def _host_seconds(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, bu
         ops.tree_tokens(drafter, bonus, ids)
         ops.visibility(parents, depths, 0, target.device)
 
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1.1
+    return step
 
 
 def _sync(device: torch.device) -> None:

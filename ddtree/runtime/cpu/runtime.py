@@ -47,7 +47,8 @@ def applies(model) -> bool:
 
 class Linear:
     """A linear layer's CPU implementation for inference, chosen at construction per pass width (1..widest_rows rows,
-    then wider) at the current thread count (retune() chooses again for another), from what its weight allows:
+    then wider) at the current thread count (retune() chooses again, which a pass does when the count changed),
+    from what its weight allows:
 
     - exact GGUF blocks (`blocks`, same bits, fewer bytes) for passes of up to `block_rows` rows;
     - a compact copy (qlinear 8-bit blocks or bf16, where the weight's values all are such: stack.compact_copy);
@@ -96,6 +97,8 @@ class Linear:
         """x [N, in] -> [N, out]."""
         if (x.dim() == 2 and x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (x.requires_grad or getattr(self.weight, "requires_grad", False)))):
+            if self.threads != torch.get_num_threads():
+                self.retune()
             return self.by_rows[min(x.shape[0], self.widest_rows + 1)](x.contiguous())
         return self.general(x)
 
@@ -136,19 +139,12 @@ class CPUTarget(TargetRuntime):
     def __repr__(self) -> str:
         return f"CPUTarget({self.describe()}, {self.model!r})"
 
-    def retune(self) -> None:
-        """Choose the LM head's implementation per pass width again, for the current thread count (a pass does this
-        itself when the count changed since)."""
-        self.head.retune()
-
     # --- protocol.Target (its shape and identity: TargetRuntime) ----------------------------------------
     def new_cache(self, capacity: int) -> KVCache:
         return self.model.new_cache(capacity)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
-        if self.head.threads != torch.get_num_threads():
-            self.retune()
         return self.head(hidden)
 
     @torch.inference_mode()
@@ -261,8 +257,6 @@ class CPUDrafter(DrafterRuntime):
         """Re-make the copies where a weight changed (an optimizer step between training's evaluations, a load)."""
         if self.watch.changed():
             self._build()
-        elif self.head is not None and self.head.threads != torch.get_num_threads():
-            self.head.retune()
 
     def __repr__(self) -> str:
         return f"CPUDrafter({self.model!r})"
