@@ -18,6 +18,7 @@ import triton
 from ddtree.base.kernel_files import kernel_module
 
 _tree_attention = kernel_module("tree_attention")
+_row_attention_kernel = kernel_module("row_attention")._row_attention_kernel
 _combine_kernel, _tree_attention_kernel = _tree_attention._combine_kernel, _tree_attention._tree_attention_kernel
 
 _I32 = ["stride_qh", "stride_qn", "stride_kh", "stride_kt", "stride_vh", "stride_vt", "stride_bn", "stride_oh",
@@ -70,6 +71,23 @@ def compile_combine_kernel(dtype="bf16", head_dim=128, block_s=64, arch: int = 9
                           options={"num_warps": 4})
 
 
+def compile_row_kernel(dtype="bf16", group=3, head_dim=64, arch: int = 90):
+    """The data generator's decode attention (kernels/row_attention.py) as row_attention launches it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _row_attention_kernel
+    sig = {name: f"*{dtype}" for name in ("Q", "K", "V", "Out")}
+    sig.update(Lengths="*i64", qk_scale="fp32")
+    sig.update({n: "i32" for n in fn.arg_names if n.startswith("stride_")})
+    consts = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=64,
+                  INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32", UPCAST=False)
+    sig.update({n: "constexpr" for n in consts})
+    sig = {n: sig[n] for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": 4, "num_stages": 2})
+
+
 def ptxas_report(kernel, arch: int = 90) -> str:
     """'ptxas -v' register/spill lines for a compiled kernel ('' when no ptxas ships with Triton)."""
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -108,6 +126,12 @@ def main(quick: bool = False) -> int:
               + ("  <-- SHARED MEMORY > 227 KB" if too_big else ""))
     compile_combine_kernel()
     print("combine kernel: ok")
+    for dtype in ("bf16", "fp32"):  # the embedded target's shapes: 3 query heads per KV head, head dim 64
+        kernel = compile_row_kernel(dtype)
+        report = ptxas_report(kernel)
+        spills = "spill" in report and " 0 bytes spill stores" not in report
+        failed |= spills or kernel.metadata.shared > H100_SMEM_BYTES
+        print(f"row attention {dtype}: smem={kernel.metadata.shared} B  {report}" + ("  <-- SPILLS" if spills else ""))
     return int(failed)
 
 

@@ -38,23 +38,34 @@ def test_rows_equal_single_sequence_decoding(arch, dtype):
     target = random_target(arch, seed=3, dtype=dtype, init_scale=0.25)
     decoder = BatchedDecoder(target, slots=4, capacity=160, max_new_tokens=24, stop_ids=STOPS, group_size=2,
                              resort_every=3)  # rows reordered by length often, attention in groups of 2
-    answers = list(decoder.run(_jobs(18, target.cfg.vocab_size)))
+    check_two_turn_answers(decoder, target, dtype)
+
+
+def check_two_turn_answers(decoder, target, dtype, jobs=18, max_new_tokens=24):
+    """A batched decoder's answers to _jobs(jobs): every first turn, second turns that continue them, each row what
+    `ar` gives (no tie flip in float32), and rows that shared steps."""
+    answers = list(decoder.run(_jobs(jobs, target.cfg.vocab_size)))
     firsts = [a for a in answers if a.turn == 1]
     seconds = [a for a in answers if a.turn == 2]
-    assert len(firsts) == 18 and seconds, "some rows must stop and take their follow-up turn"
+    assert len(firsts) == jobs and seconds, "some rows must stop and take their follow-up turn"
     for a in seconds:  # the second turn's prompt is the first turn's prompt + answer + follow-up
         first = next(f for f in firsts if f.job is a.job)
         assert first.response_ids[-1] in STOPS and not first.last_turn
         assert a.prompt_ids == first.prompt_ids + first.response_ids + a.job.follow_up
-    flips = _check_rows(target, answers, 24)
+    flips = _check_rows(target, answers, max_new_tokens)
     if dtype == torch.float32:
         assert flips == 0
     assert decoder.decode_steps < sum(len(a.response_ids) for a in answers) / 2  # rows really shared steps
 
 
 def test_jobs_that_cannot_fit_are_reported_not_decoded():
+    check_unfit_jobs(BatchedDecoder)
+
+
+def check_unfit_jobs(decoder_class):
+    """A job whose prompt and answer cannot fit the cache is answered at once with turn 0; the others decode."""
     target = random_target("llama", seed=1)
-    decoder = BatchedDecoder(target, slots=2, capacity=40, max_new_tokens=16, stop_ids=STOPS)
+    decoder = decoder_class(target, slots=2, capacity=40, max_new_tokens=16, stop_ids=STOPS)
     jobs = [Job("short", [7, 8, 9]), Job("long", list(range(6, 40))), Job("short2", [10, 11])]
     answers = {a.job.key: a for a in decoder.run(jobs)}
     assert answers["long"].turn == 0 and answers["long"].response_ids == []

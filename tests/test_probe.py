@@ -6,7 +6,7 @@ import pytest
 
 from ddtree.models.protocol import reference
 from ddtree.bench.testing import add_markov_head, random_pair
-from ddtree.train.probe import (accepted_lengths, anchor_drafts, anchor_tables, block_drafts, head_accepted_lengths,
+from ddtree.train.probe import (SIBLING_RANKS, path_hit_rates, path_hits, accepted_lengths, anchor_drafts, anchor_tables, block_drafts, head_accepted_lengths,
                                 probe, tree_tau)
 
 
@@ -19,6 +19,24 @@ def test_accepted_lengths_by_hand():
     assert accepted_lengths(lp, np.array([1, 0, 0]), budgets) == [0, 0, 1, 1, 1]  # (1, 0) never pops here
     assert accepted_lengths(lp, np.array([0, 1, 1]), budgets) == [1, 1, 1, 1, 2]
     assert accepted_lengths(lp, np.array([2, 0, 0]), budgets) == [0] * 5  # the true token is outside the top-k
+
+
+def test_path_hits_by_hand():
+    assert SIBLING_RANKS == 4
+    ranks = np.array([[0, 0, 0],    # the spine all along
+                      [1, 0, 5],    # a sibling at depth 1, then the top-1; depth 3 outside the top 4
+                      [2, 3, 0],    # siblings at depths 1 and 2, then the top-1
+                      [9, 0, 0],    # outside the top 4 at depth 1: counted nowhere
+                      [0, 6, 0]])   # the spine, then out: depth 3 not counted
+    counts = path_hits(ranks)
+    # depth 2: spine parents (rows 0, 4): one top-1, one miss; sibling parents (rows 1, 2): one top-1, one top-4
+    assert counts[0].tolist() == [[2, 1, 1], [2, 1, 2]]
+    # depth 3: spine parent row 1 (rank 5: a miss) and row 0 (hit); sibling parent row 2 (hit)
+    assert counts[1].tolist() == [[2, 1, 1], [1, 1, 1]]
+    rates = path_hit_rates(counts)
+    assert rates[0] == {"depth": 2, "spine": {"roots": 2, "top1": 0.5, "topk": 0.5},
+                        "sibling": {"roots": 2, "top1": 0.5, "topk": 1.0}}
+    assert path_hit_rates(np.zeros((1, 2, 3), dtype=np.int64))[0]["sibling"]["top1"] is None
 
 
 def test_tables_give_the_probes_tau_with_and_without_a_head():

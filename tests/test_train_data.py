@@ -96,3 +96,36 @@ def test_prompts_file_follow_ups_and_several_data_dirs(tiny_data, tmp_path):
     _, data = tiny_data
     one = read_sequences(data, split=None)
     assert read_sequences([data, data], split=None) == one + one
+
+
+def test_further_answers_per_prompt_are_sampled_and_share_the_split(tmp_path):
+    from ddtree.train.data import read_records
+
+    target = random_target("qwen3", seed=4, init_scale=0.3)
+    prompts = id_prompts(10, target.cfg.vocab_size, seed=6)
+    settings = GenerationSettings(max_new_tokens=8, slots=4, chunk_size=4, sampled_fraction=0.0, answers_per_prompt=3)
+    generate_data(target, None, prompts, tmp_path, settings, heldout_fraction=0.3, progress=False)
+    by_key = {r["key"]: r for r in read_records(tmp_path)}
+    assert len(by_key) == 30
+    for p in prompts:
+        copies = [by_key[p.key], by_key[f"{p.key}#2"], by_key[f"{p.key}#3"]]
+        assert copies[0]["temperature"] == 0.0 and all(0.7 <= c["temperature"] <= 1.0 for c in copies[1:])
+        assert {c["split"] for c in copies} == {p.split(0.3)} and all(c["prompt_ids"] == p.ids for c in copies)
+    assert {r["split"] for r in by_key.values()} == {"train", "heldout"}
+    assert "answers_per_prompt" in (tmp_path / "meta.json").read_text()
+    generate_data(target, None, prompts, tmp_path / "one", replace(settings, answers_per_prompt=1), progress=False)
+    assert "answers_per_prompt" not in (tmp_path / "one" / "meta.json").read_text()  # older directories resume
+
+
+def test_the_static_decoder_writes_the_rows_decoders_greedy_data(tmp_path):
+    from ddtree.train.data import read_records
+
+    target = random_target("llama", seed=2, init_scale=0.3)
+    prompts = id_prompts(9, target.cfg.vocab_size, seed=2)
+    settings = GenerationSettings(max_new_tokens=12, slots=4, chunk_size=4, sampled_fraction=0.0)
+    for decoder in ("rows", "static"):
+        generate_data(target, None, prompts, tmp_path / decoder, settings, progress=False, decoder=decoder)
+    assert read_records(tmp_path / "rows") == read_records(tmp_path / "static")
+    with pytest.raises(ValueError, match="decoder"):
+        generate_data(target, None, prompts, tmp_path / "x", settings, progress=False, decoder="fast")
+    assert not (tmp_path / "x").exists()

