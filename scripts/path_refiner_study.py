@@ -34,6 +34,7 @@ from ddtree.bench.datasets import load_prompts
 from ddtree.models.protocol import reference
 from ddtree.train.data import read_sequences
 from ddtree.train.model import block_inputs, draft_head, drafter_block_hidden, target_features, target_to_draft
+from ddtree.train.probe import head_accepted_lengths
 
 DATA = [f"data/smollm2-v{i}" for i in range(2, 7)]
 
@@ -144,6 +145,7 @@ def main() -> int:
     ap.add_argument("--budgets", default="2,4,8,16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/refiner-study")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the refiner already in --out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -151,35 +153,48 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     budgets = [int(x) for x in args.budgets.split(",")]
-    pair = load(None, None, "cpu", "float32")
+    pair = load(None, None, "cpu", "float32", markov_head=True)  # the head only for the comparison's trees
     head = draft_head(pair.drafter, pair.target).float()
     embed = reference(pair.target).model.embed_tokens.weight.float()
     t2d = target_to_draft(reference(pair.drafter))
     t0 = time.time()
 
+    refiner = Refiner(head.shape[1], args.width)
+    if args.eval_only:
+        refiner.load_state_dict(torch.load(out / "refiner.pt"))
+    else:
+        train_refiner(refiner, training_rows(pair, t2d, args, out, rng, t0), head, embed, args.epochs, t0)
+        torch.save(refiner.state_dict(), out / "refiner.pt")
+    evaluate(pair, refiner, head, embed, t2d, budgets, args, out, t0)
+    return 0
+
+
+def training_rows(pair, t2d, args, out, rng, t0):
+    """The teacher-forced rows of --train-answers greedy training answers (cached in --out)."""
     cache = out / "train.pt"
     if cache.is_file():
-        train = torch.load(cache)
-    else:
-        seqs = [q for d in DATA for q in read_sequences(d, "train") if q.temperature == 0.0]
-        rng.shuffle(seqs)
-        parts = []
-        for i, q in enumerate(seqs[:args.train_answers]):
-            parts.append(examples(*block_states(pair, q.tokens, q.prompt_len, args.anchors, rng), t2d))
-            if i % 50 == 0:
-                print(f"[{time.time() - t0:.0f}s] features of {i} answers", flush=True)
-        train = [torch.cat(x) for x in zip(*parts)]
-        train[0], train[1] = train[0].half(), train[1].half()
-        torch.save(train, cache)
+        return torch.load(cache)
+    seqs = [q for d in DATA for q in read_sequences(d, "train") if q.temperature == 0.0]
+    rng.shuffle(seqs)
+    parts = []
+    for i, q in enumerate(seqs[:args.train_answers]):
+        parts.append(examples(*block_states(pair, q.tokens, q.prompt_len, args.anchors, rng), t2d))
+        if i % 50 == 0:
+            print(f"[{time.time() - t0:.0f}s] features of {i} answers", flush=True)
+    train = [torch.cat(x) for x in zip(*parts)]
+    train[0], train[1] = train[0].half(), train[1].half()
+    torch.save(train, cache)
+    return train
+
+
+def train_refiner(refiner, train, head, embed, epochs, t0):
     n = train[0].shape[0]
     print(f"[{time.time() - t0:.0f}s] {n} training rows", flush=True)
-
-    refiner = Refiner(head.shape[1], args.width)
     opt = torch.optim.AdamW(refiner.parameters(), lr=1e-3, weight_decay=0.01)
-    steps = args.epochs * math.ceil(n / 512)
+    steps = epochs * math.ceil(n / 512)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, 1e-3, total_steps=steps, pct_start=0.05)
     step = 0
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         perm = torch.randperm(n)
         total = hits = base_hits = 0.0
         for s in range(0, n, 512):
@@ -199,9 +214,11 @@ def main() -> int:
                 base_hits += ((h @ head.T).argmax(-1) == train[4][j]).sum().item()
         print(f"[{time.time() - t0:.0f}s] epoch {epoch + 1}: loss {total / n:.3f}, top-1 {hits / n:.1%} "
               f"(marginal {base_hits / n:.1%})", flush=True)
-    torch.save(refiner.state_dict(), out / "refiner.pt")
 
-    # evaluation: held-out answers of the training mix and the target's answers to evaluation prompts
+
+def evaluate(pair, refiner, head, embed, t2d, budgets, args, out, t0):
+    """tau per budget on the same roots: marginal trees, the Markov head's trees (the engine's), refined trees."""
+    drafter = pair.drafter
     groups: dict[str, list] = {}
     for d in DATA:
         held = [q for q in read_sequences(d, "heldout") if q.temperature == 0.0]
@@ -222,18 +239,22 @@ def main() -> int:
                 roots += [(hidden[a], labels[a], rts[a]) for a in range(hidden.shape[0])]
             random.Random(1).shuffle(roots)
             roots = roots[:args.eval_roots]
-            sums = {"marginal": [0] * len(budgets), "refined": [0] * len(budgets)}
+            sums = {"marginal": [0] * len(budgets), "head": [0] * len(budgets), "refined": [0] * len(budgets)}
             for hidden, labels, root in roots:
                 for kind, r in (("marginal", None), ("refined", refiner)):
                     acc = tree_accepts(hidden, labels, root, head, embed, t2d, budgets, r)
                     sums[kind] = [x + y for x, y in zip(sums[kind], acc)]
+                logprobs = (hidden[1:] @ head.T).log_softmax(-1)  # [B-1, draft vocab]
+                true = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -1).numpy()
+                acc = head_accepted_lengths(drafter, logprobs, int(root), true, budgets)
+                sums["head"] = [x + y for x, y in zip(sums["head"], acc)]
             result[name] = {kind: {b: 1 + v / len(roots) for b, v in zip(budgets, vals)} for kind, vals in sums.items()}
             result[name]["roots"] = len(roots)
-            print(f"[{time.time() - t0:.0f}s] {name} ({len(roots)} roots): " + ", ".join(
-                f"@{b} {result[name]['marginal'][b]:.3f} -> {result[name]['refined'][b]:.3f}" for b in budgets),
+            r = result[name]
+            print(f"[{time.time() - t0:.0f}s] {name} ({len(roots)} roots), marginal / head / refined: " + ", ".join(
+                f"@{b} {r['marginal'][b]:.3f} / {r['head'][b]:.3f} / {r['refined'][b]:.3f}" for b in budgets),
                 flush=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
