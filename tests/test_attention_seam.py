@@ -94,3 +94,22 @@ def test_engine_with_triton_backend_is_lossless():
     for method, budget in [("dflash", 1), ("ddtree", 6)]:
         tokens, stats = run(target, drafter, prompt, method, budget, max_new_tokens=10)
         assert tokens == reference and stats.attention_backend == "triton"
+
+
+def test_a_prefill_runs_sdpas_causal_kernel_and_later_chains_the_tree_kernel(monkeypatch):
+    """A causal pass from position 0 (a prompt's prefill) goes to SDPA's causal kernel under the Triton backend (GEMM
+    speed, no dense bit mask); a causal chain after a past (a verify) still goes to the tree kernel."""
+    from ddtree.base.kernel_files import kernel_module
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s, generator=g).to(DEVICE) for s in ((8, 40, 16), (2, 40, 16), (2, 40, 16)))
+    ta = kernel_module("tree_attention")
+    calls = []
+    real = ta.tree_attention
+    monkeypatch.setattr(ta, "tree_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    prefill = attend(q, k, v, Visibility.causal(0, 40, DEVICE), "triton")
+    assert not calls
+    torch.testing.assert_close(prefill, attend(q, k, v, Visibility.causal(0, 40, DEVICE), "sdpa"), rtol=1e-5, atol=1e-5)
+    chain = attend(q[:, 30:], k, v, Visibility.causal(30, 10, DEVICE), "triton")
+    assert calls
+    torch.testing.assert_close(chain, prefill[:, 30:], rtol=1e-4, atol=1e-4)

@@ -3,8 +3,9 @@
 Queries are the N new tokens of a pass; keys/values are the cached rows [0, past_len + N): the committed
 past (always visible) followed by the N new rows, whose visibility among themselves is described by a
 `Visibility`. Backends: "sdpa" (PyTorch scaled_dot_product_attention, the CPU path) and "triton" (the
-tree-attention kernel in kernels/tree_attention.py, used automatically on CUDA). A model holds its backend already
-resolved (`resolve_backend`, at load): passes never look at the environment.
+tree-attention kernel in kernels/tree_attention.py, used automatically on CUDA; a causal pass from position 0, a
+prompt's prefill, runs SDPA's causal kernel there too). A model holds its backend already resolved
+(`resolve_backend`, at load): passes never look at the environment.
 """
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ class Visibility:
     sliding-window drafter layer sets it, and such a pass runs on SDPA (the Triton kernel sees the whole past).
     """
 
-    def __init__(self, past_len: int, ancestors: torch.Tensor | None, past: torch.Tensor | None = None):
+    def __init__(self, past_len: int, ancestors: torch.Tensor | None, past: torch.Tensor | None = None,
+                 chain: bool = False):
         self.past_len = past_len
         self.ancestors = ancestors
         self.past = past
+        self.chain = chain  # ancestors is the full causal triangle (Visibility.causal): a prompt's prefill at past 0
         self._dense: dict[int, torch.Tensor] = {}
         self._bits: torch.Tensor | None = None
 
@@ -44,7 +47,7 @@ class Visibility:
     def causal(cls, past_len: int, n: int, device) -> "Visibility":
         if n == 1:
             return cls(past_len, None)
-        return cls(past_len, torch.ones(n, n, dtype=torch.bool, device=device).tril_())
+        return cls(past_len, torch.ones(n, n, dtype=torch.bool, device=device).tril_(), chain=True)
 
     def dense(self, group: int) -> torch.Tensor | None:
         """Boolean SDPA mask [group * N, past_len + N] for GQA queries folded as [Hkv, group * N, D]."""
@@ -108,6 +111,11 @@ def _triton_problem(cuda: bool) -> str | None:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, backend: str) -> torch.Tensor:
     """q [Hq, N, D]; k, v [Hkv, past_len + N, D] (views of the cache). Returns [Hq, N, D]."""
     hq, n, d = q.shape
+    if backend == "triton" and vis.chain and vis.past_len == 0:
+        # A causal pass from position 0 (a prompt's prefill): SDPA's flash kernel at GEMM speed, not the tree kernel
+        # reading a dense N x N bit mask. Every method prefills this way, so their tokens stay the same.
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)
+        return out[0]
     if backend == "triton" and vis.past is None:
         tree_attention = kernel_module("tree_attention").tree_attention
         # Trees and chains are lower-triangular (parents precede children), which lets the kernel skip key
