@@ -32,22 +32,23 @@ def reference_pair(seed=3, dtype=torch.float32, **kw):
 
 
 def test_buckets():
-    assert [gpu.bucket(n) for n in (1, 2, 3, 5, 16, 17, 257, 512)] == [1, 2, 4, 8, 16, 32, 512, 512]
-    assert gpu.bucket(513) is None
+    assert [gpu.bucket(n) for n in (1, 2, 3, 5, 6, 16, 17, 18, 129, 130, 257, 512, 513)] == \
+        [1, 2, 3, 5, 8, 16, 17, 32, 129, 256, 257, 512, 513]  # ddtree:B's B + 1 rows have their own bucket
+    assert gpu.bucket(514) is None
 
 
 def test_a_padded_pass_equals_the_reference_pass():
-    """A tree of 5 nodes verified in the bucket of 8 (padding rows, device past length, K/V written at device rows):
-    the same logits, taps and committed cache rows as the reference's eager pass over the 5 nodes."""
+    """A tree of 6 nodes verified in the bucket of 8 (padding rows, device past length, K/V written at device rows):
+    the same logits, taps and committed cache rows as the reference's eager pass over the 6 nodes."""
     ref, _ = reference_pair()
     rt, _ = gpu.attach(ref, None, graphs=False)
-    parents = [-1, 0, 0, 1, 3]
-    depths = [0, 1, 1, 2, 3]
+    parents = [-1, 0, 0, 1, 3, 2]
+    depths = [0, 1, 1, 2, 3, 2]
     import numpy as np
 
     anc = torch.from_numpy(ancestor_matrix(np.array(parents), np.array(depths))).to(DEVICE)
     prompt = torch.tensor([5, 7, 11, 13, 17, 19, 23], device=DEVICE)
-    tokens = torch.tensor([29, 31, 37, 41, 43], device=DEVICE)
+    tokens = torch.tensor([29, 31, 37, 41, 43, 47], device=DEVICE)
     out = []
     for model in (ref, rt):
         cache = model.new_cache(40)

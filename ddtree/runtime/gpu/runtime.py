@@ -3,7 +3,8 @@
 A speculative step on a GPU is a few passes of dozens of small kernels each; launched one by one from Python, the
 launches, not the GPU, set the step's time (batch size 1). Here each pass shape is captured once and replayed:
 
-  verify    the target over N tree nodes, N padded up to a bucket (1, 2, 4, ... 512): one graph per bucket
+  verify    the target over N tree nodes, N padded up to a bucket (1, 2, 3, 4, 5, 8, 9, ... 512, 513: the powers of
+            two and the sizes of ddtree:B's B + 1 rows): one graph per bucket
   context   the drafter's K/V of the newly committed tokens, padded up to a bucket: one graph per bucket
   block     the drafter's block pass over `length` positions: one graph per length
 
@@ -32,7 +33,9 @@ from ...models.protocol import TargetOutput
 from ...models.target import TargetModel
 from ..base import DrafterRuntime, TargetRuntime
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # padded pass sizes; larger passes run eagerly
+# Padded pass sizes; larger passes run eagerly. A ddtree:B verify is B + 1 rows (the root and B nodes), so each power
+# of two has its + 1 beside it: ddtree:128's 129 rows run the 129-row pass, not the 256-row one.
+BUCKETS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513)
 
 
 def applies(model) -> bool:
