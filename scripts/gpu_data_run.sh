@@ -13,8 +13,10 @@
 #   device calls 1..n-1: carry [".gpu/p<i>"], command: bash scripts/gpu_data_run.sh stash   (each within the warm
 #                                            window of the call before: /root stays while the machine is held)
 #   device call n: carry [".gpu/p<n-1>", ".gpu/whl", ".gpu/prompts.jsonl.xz", ".gpu/sums"], timeout_s 600,
-#                  command: bash scripts/gpu_data_run.sh
-#   here: bash scripts/gpu_data_run.sh unpack <files_at>   -> data/smollm2-gpu1 (resumable by the same command)
+#                  command: bash scripts/gpu_data_run.sh      (4 minutes of generation; every chunk so far comes back)
+#   device call n+1, at once, if the window allows: the same carry and command (MINUTES=3 bash ...): it resumes the
+#                  generation directory the call before left on the machine, so a failed call n is not the end
+#   here: bash scripts/gpu_data_run.sh unpack <files_at>   -> data/smollm2-gpu1 (the latest call's parts hold it all)
 #
 # SMOKE=1 bash scripts/gpu_data_run.sh runs the whole of the last call on this CPU on tiny settings (the embedded
 # target, 40 prompts, eager passes), so the script is tested before a window is spent on it.
@@ -24,8 +26,8 @@ T0=$(date +%s)
 SMOKE=${SMOKE:-0}
 OUT=${OUT:-/tmp/gpu-data-out}
 NAME=${NAME:-smollm2-gpu1}
-MINUTES=${MINUTES:-6.5}  # generation time; the window also holds the start, three transfers and the packing
-DEADLINE=${DEADLINE:-560}  # seconds from the start: generation is cut here, leaving the packing inside call 3's 600
+MINUTES=${MINUTES:-4}  # generation time of one call; the window also holds the start, the transfers and the packing
+DEADLINE=${DEADLINE:-$(( ${MINUTES%.*} * 60 + 200 ))}  # seconds from the start: generation is cut here (packing after)
 PY=python3; command -v python3 >/dev/null || PY=python
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/driver.txt"; }
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -67,8 +69,9 @@ run) ;;
 esac
 
 mkdir -p "$OUT"
-R=runs/gpu-data
-rm -rf "$R" && mkdir -p "$R"
+R=runs/gpu-data  # kept between calls on a held machine (an ignored path): a second run resumes its chunks
+[ "$SMOKE" = 1 ] && rm -rf "$R"
+mkdir -p "$R"
 if [ "$SMOKE" = 1 ]; then
     TGT=(); DEV=(--device cpu --threads 2); DEC=static-eager; SLOTS=8; MINUTES=${SMOKE_MINUTES:-0.3}; DEADLINE=120
     $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null || exit 1
