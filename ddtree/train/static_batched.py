@@ -5,7 +5,7 @@ prefill per refilled row. On a GPU each of those is a launch or a synchronizatio
 few milliseconds of kernels. Here:
 
 - `slots` rows share k, v [layers, slots, kv_heads, capacity, head_dim]. Every per-row input of a step lives in one
-  device tensor `state` [5, slots] (the token fed, its position, whether the row advances, the job's seed halves,
+  device tensor `state` [6, slots] (the token fed, its position, whether the row advances, the job's seed halves,
   its token counter) and `temperature` [slots]; the host keeps a numpy mirror and uploads it (one copy) only when a
   row changed.
 - A decode step is one pass over every row (idle rows too: they rewrite one cache row of their own that their next
@@ -79,9 +79,14 @@ class StaticBatchedDecoder:
         if self.graphs and dev.type != "cuda":
             raise ValueError("graphs=True needs a CUDA target")
         # the decode step's attention: the Triton kernel reading each row's own keys (kernels/row_attention.py; on
-        # CUDA by default), else SDPA over [0, span) with a mask
-        self._row_attention = kernel_module("row_attention").row_attention if (
-            dev.type == "cuda" if row_kernel is None else row_kernel) else None
+        # CUDA where triton imports, by default), else SDPA over [0, span) with a mask
+        self._row_attention = None
+        if dev.type == "cuda" if row_kernel is None else row_kernel:
+            try:
+                self._row_attention = kernel_module("row_attention").row_attention
+            except ImportError as e:
+                if row_kernel:
+                    raise ValueError(f"row_kernel=True needs triton ({e}); pip install triton") from None
         if self._row_attention is not None:
             span_step = capacity  # the kernel reads each row's length on the device: one span, one graph
         self.span_step = span_step
