@@ -107,6 +107,11 @@ def ptxas_report(kernel, arch: int = 90) -> str:
     return ""
 
 
+def spilled(report: str) -> bool:
+    """Does a ptxas_report say the kernel spills registers?"""
+    return "spill" in report and " 0 bytes spill stores" not in report
+
+
 H100_SMEM_BYTES = 227 * 1024  # max dynamic shared memory per block on sm_90
 QUICK = {("bf16", 4, 128, 16), ("fp32", 2, 128, 16)}  # --quick: decode-size bf16, and fp32 (once over the limit)
 
@@ -119,7 +124,7 @@ def main(quick: bool = False) -> int:
     for cfg, past_on_device in runs:
         kernel = compile_tree_kernel(*cfg, past_on_device=past_on_device)
         report = ptxas_report(kernel)
-        spills = "spill" in report and " 0 bytes spill stores" not in report
+        spills = spilled(report)
         too_big = kernel.metadata.shared > H100_SMEM_BYTES
         failed |= too_big or (spills and cfg[0] != "fp32")  # fp32 on a GPU: must fit, need not be fast
         print(f"{cfg}{' past on device' if past_on_device else ''}: smem={kernel.metadata.shared} B  {report}" + ("  <-- SPILLS" if spills else "")
@@ -129,7 +134,7 @@ def main(quick: bool = False) -> int:
     for dtype in ("bf16", "fp32"):  # the embedded target's shapes: 3 query heads per KV head, head dim 64
         kernel = compile_row_kernel(dtype)
         report = ptxas_report(kernel)
-        spills = "spill" in report and " 0 bytes spill stores" not in report
+        spills = spilled(report)
         failed |= spills or kernel.metadata.shared > H100_SMEM_BYTES
         print(f"row attention {dtype}: smem={kernel.metadata.shared} B  {report}" + ("  <-- SPILLS" if spills else ""))
     return int(failed)

@@ -44,6 +44,12 @@ class Job:
     tag: object = None  # caller's bookkeeping (e.g. which chunk the job belongs to)
 
 
+def fits(job: Job, max_new_tokens: int, capacity: int) -> bool:
+    """Can a row of `capacity` positions hold the job's prompt and answer (and its follow-up turn and answer)?"""
+    extra = (len(job.follow_up) + 1 + max_new_tokens) if job.follow_up else 0
+    return len(job.prompt_ids) + max_new_tokens + extra <= capacity
+
+
 @dataclass
 class Answer:
     job: Job
@@ -111,10 +117,6 @@ class BatchedDecoder:
         self.lengths[slot] = 0
         self.rows[slot] = row
         self.next_token[slot] = self._choose(self._prefill(slot, row.prompt_ids), row)
-
-    def _fits(self, job: Job) -> bool:
-        extra = (len(job.follow_up) + 1 + self.max_new_tokens) if job.follow_up else 0
-        return len(job.prompt_ids) + self.max_new_tokens + extra <= self.capacity
 
     # --- the batch -----------------------------------------------------------------------------------------
     def _resort(self) -> None:
@@ -194,7 +196,7 @@ class BatchedDecoder:
 
         def refill(slot: int) -> Answer | None:
             for job in pending:
-                if self._fits(job):
+                if fits(job, self.max_new_tokens, self.capacity):
                     self._start(slot, job)
                     return None
                 return Answer(job, 0, list(job.prompt_ids), [])

@@ -166,9 +166,9 @@ def generate_data(target, tokenizer, prompts: list[Prompt], out_dir, settings: G
     if decoder == "auto":
         decoder = "static" if target.device.type == "cuda" else "rows"
     if decoder.startswith("static"):
+        plain = False if decoder == "static-eager" else None  # None: graphs and the Triton attention on CUDA
         batched = StaticBatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids,
-                                       graphs=False if decoder == "static-eager" else None,
-                                       row_kernel=False if decoder == "static-eager" else None)
+                                       graphs=plain, row_kernel=plain)
     else:
         batched = BatchedDecoder(target, settings.slots, capacity, settings.max_new_tokens, stop_ids, group_size)
     open_jobs: dict[int, int] = {}  # chunk -> jobs not finished yet

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..base.kernel_files import kernel_module
 from ..models.protocol import reference
-from .batched import Answer, Job
+from .batched import Answer, Job, fits
 
 TOKEN, POSITION, ADVANCE, SEED_LO, SEED_HI, COUNTER = range(6)
 _MASK32 = 0xFFFFFFFF
@@ -240,10 +240,6 @@ class StaticBatchedDecoder:
             self.dirty = False
 
     # --- jobs --------------------------------------------------------------------------------------------------
-    def _fits(self, job: Job) -> bool:
-        extra = (len(job.follow_up) + 1 + self.max_new_tokens) if job.follow_up else 0
-        return len(job.prompt_ids) + self.max_new_tokens + extra <= self.capacity
-
     def _assign(self, slot: int, job: Job | None) -> None:
         self.jobs[slot], self.turn[slot], self.length[slot] = job, 1, 0
         h = self.h
@@ -269,7 +265,7 @@ class StaticBatchedDecoder:
                 job = next(pending, None)
                 if job is None:
                     exhausted = True
-                elif not self._fits(job):
+                elif not fits(job, self.max_new_tokens, self.capacity):
                     yield Answer(job, 0, list(job.prompt_ids), [])
                 else:
                     slot = idle.pop()
@@ -299,7 +295,7 @@ class StaticBatchedDecoder:
             done = stopped | (adv & ((self.length >= self.max_new_tokens) | (h[POSITION] >= self.capacity)))
             for slot in np.flatnonzero(done).tolist():
                 job, turn = self.jobs[slot], int(self.turn[slot])
-                answer = list(self.response[slot, :self.length[slot]].tolist())
+                answer = self.response[slot, :self.length[slot]].tolist()
                 second = turn == 1 and bool(stopped[slot]) and job.follow_up is not None
                 yield Answer(job, turn, self.prompts[slot], answer, last_turn=not second)
                 h[ADVANCE, slot] = 0
