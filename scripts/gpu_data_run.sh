@@ -29,9 +29,8 @@ OUT=${OUT:-/tmp/gpu-data-out}
 NAME=${NAME:-smollm2-gpu1}
 MINUTES=${MINUTES:-4}  # generation time of one call; the window also holds the start, the transfers and the packing
 DEADLINE=${DEADLINE:-$(( ${MINUTES%.*} * 60 + 200 ))}  # seconds from the start: generation is cut here (packing after)
-PY=python3; command -v python3 >/dev/null || PY=python
+source scripts/gpu_common.sh  # GGUF_NAME, G, PY, gpu_stash, gpu_setup
 say() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/driver.txt"; }
-GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 # the generation settings (recorded in the data's meta.json; a resume with others is refused)
 GEN=(--max-new-tokens 256 --chunk-size 100 --answers-per-prompt 4 --sampled-fraction 0.25 --follow-ups 0.35)
 
@@ -59,9 +58,8 @@ prepare)
     done
     echo "device call: carry [\"$last\", \".gpu/whl\", \".gpu/prompts.jsonl.xz\", \".gpu/sums\"], timeout_s 600, command: bash scripts/gpu_data_run.sh"
     exit 0 ;;
-stash)  # calls 1 and 2: keep this call's part for call 3 (the machine stays warm between calls, /root stays)
-    mkdir -p /root/g && cp .gpu/p? /root/g/ && ls -la /root/g
-    exit 0 ;;
+stash)  # every call but the last: keep this call's part for the last
+    gpu_stash; exit ;;
 unpack)  # here: the parts that came back -> data/$NAME
     from=${2:?usage: gpu_data_run.sh unpack <folder with data.tar.xz.part*>}
     mkdir -p "data/$NAME"
@@ -82,36 +80,15 @@ if [ "$SMOKE" = 1 ]; then
     $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null || exit 1
     PROMPTS=$R/prompts.jsonl
     GEN=(--max-new-tokens 24 --chunk-size 6 --answers-per-prompt 2 --sampled-fraction 0.25 --follow-ups 0.35)
+    $PY scripts/gpu_self_check.py cpu | tee "$OUT/gpu-check.txt" || exit 1  # the check itself, on the CPU
 else
-    G=/root/g/$GGUF_NAME; TGT=(--target "$G"); DEV=(--device cuda --dtype bfloat16); DEC=static; SLOTS=${SLOTS:-1024}
-    mkdir -p /root/g && cp .gpu/p? /root/g/ 2>/dev/null
-    (cd .gpu && sha256sum -c --ignore-missing sums) || exit 1
-    [ "$(ls /root/g/p? | wc -l)" = "$(grep -c ' p[0-9]$' .gpu/sums)" ] || { say "GGUF parts missing: $(ls /root/g); \
-the calls before this one stash them (the machine must stay held between calls)"; exit 1; }
-    cat /root/g/p? | xz -dc > "$G" || exit 1
-    sha256sum -c <(grep "/root/g/" .gpu/sums) || exit 1
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD DDTREE_CACHE=/root/ddtree-cache
+    TGT=(--target "$G"); DEV=(--device cuda --dtype bfloat16); DEC=static; SLOTS=${SLOTS:-1024}
+    gpu_setup >>"$OUT/driver.txt" 2>&1 || { cat "$OUT/driver.txt"; exit 1; }  # not in a pipe: it exports
+    tail -n 1 "$OUT/driver.txt"
     xz -dc .gpu/prompts.jsonl.xz > $R/prompts.jsonl || exit 1
     PROMPTS=$R/prompts.jsonl
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/driver.txt"
-    # the graphs' and the Triton attention's tokens against plain torch's on this GPU (a seeded fp32 target, two-turn
-    # jobs, greedy and sampled); plain torch if they differ. Not pytest: its session fixture builds the CPU kernels.
-    if ! timeout 120 $PY - >"$OUT/gpu-check.txt" 2>&1 <<'CHECK'
-import random, torch
-from ddtree.bench.testing import random_target
-from ddtree.train.batched import Job
-from ddtree.train.static_batched import StaticBatchedDecoder
-target = random_target("llama", seed=3, dtype=torch.float32, init_scale=0.25).cuda()
-rng = random.Random(0)
-vocab = target.cfg.vocab_size
-jobs = [Job(f"j{i}", [rng.randrange(6, vocab) for _ in range(rng.randint(1, 40))], 0.9 * (i % 3 == 0), i,
-            [7, 8] if i % 2 else None) for i in range(24)]
-runs = [{(a.job.key, a.turn): a.response_ids for a in StaticBatchedDecoder(
-            target, 8, 160, 24, range(1, 6), span_step=16, graphs=g, row_kernel=g).run(jobs)} for g in (False, True)]
-print("answers", len(runs[0]), "equal", runs[0] == runs[1])
-assert runs[0] == runs[1]
-CHECK
+    # the graphs' and the Triton attention's tokens against the plain passes' on this GPU; plain passes if they differ
+    if ! timeout 120 $PY scripts/gpu_self_check.py cuda >"$OUT/gpu-check.txt" 2>&1
     then
         DEC=static-eager; say "GPU check failed (gpu-check.txt): generating without graphs and the Triton kernel"
     fi

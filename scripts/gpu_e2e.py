@@ -10,8 +10,11 @@ qwen3-8b: the target has Qwen3-8B's shapes (36 layers, 4096 hidden, 32/8 heads, 
 weights built so that its greedy continuation is a fixed permutation of the last token (the LM head's rows are the
 embedding's, permuted, and the layers' residual writes are small), which bf16 rounding never flips; the drafter is
 a real 5-layer DFlash module of block 16 (its passes run, so the draft costs what a published drafter's does)
-whose logits are replaced by an oracle: at each block position the target's next token is ranked first with
-probability --top1, else second or third. So the acceptance is controlled and the costs are real. It also times
+whose logits are replaced by an oracle: at each block position the target's next token is ranked where a preset
+draws it given its rank at the position before (--oracles: `qwen3-8b-dflash`, published acceptance with siblings
+right ~22% of the time; `embedded`, the shipped SmolLM2 drafter's measured rates; `optimistic`, the first oracle,
+whose siblings are right as often as its spine; ddtree/bench/oracle.py). So the acceptance is controlled and the
+costs are real. It also times
 one target pass of N = 1..256 nodes at the context length (CUDA events, median), against the weights' bytes over
 the measured copy bandwidth.
 Writes gpu_e2e_<which>.json to $OUT (default .).
@@ -30,6 +33,7 @@ SMOKE = os.environ.get("SMOKE") == "1"
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel in its CPU interpreter: set before the import
 
+from ddtree.bench.oracle import PRESETS, OraclePreset, oracle_logits, sample_ranks  # noqa: E402
 from ddtree.models.attention import Visibility  # noqa: E402
 from ddtree.engine.checker import check_tokens  # noqa: E402
 from ddtree.base.config import ModelConfig, SamplingParams  # noqa: E402
@@ -83,29 +87,23 @@ def qwen3_8b_pair():
     return target, drafter, perm
 
 
-def plant_oracle(drafter, perm: torch.Tensor, top1: float, seed: int = 5):
-    """drafter.draft() runs the real pass, then ranks perm^i(bonus) (the target's greedy token at block position i)
-    first with probability top1, else second or third behind random decoys."""
-    real = drafter.draft
-    gen = torch.Generator(device=DEV).manual_seed(seed)
+def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 5):
+    """drafter.draft() runs the real pass (its cost), then ranks perm^i(bonus), the target's greedy token at block
+    position i, where the preset draws it given the rank at i - 1 (ddtree/bench/oracle.py)."""
+    real = drafter.__dict__.get("_real_draft") or drafter.draft
+    drafter._real_draft = real
+    ranks_gen, logits_gen = torch.Generator().manual_seed(seed), torch.Generator(device=DEV).manual_seed(seed)
 
     def draft(self, cache, bonus, length=None):
-        logits = real(cache, bonus, length)  # [L - 1, V]: the real drafter's cost
+        logits = real(cache, bonus, length)  # [L - 1, V]
         n, v = logits.shape
         truth, tok = [], bonus.view(1)
         for _ in range(n):
             tok = perm[tok]
             truth.append(tok)
-        truth = torch.cat(truth)
-        new = torch.randn(n, v, generator=gen, device=DEV)
-        r = torch.rand(n, generator=gen, device=DEV)
-        rank = torch.where(r < top1, 0, torch.where(r < (1 + top1) / 2, 1, 2))
-        rows = torch.arange(n, device=DEV)
-        decoys = torch.randint(0, v, (n, 2), generator=gen, device=DEV)
-        new[rows, decoys[:, 0]] = torch.where(rank >= 1, 14.0, 0.0)
-        new[rows, decoys[:, 1]] = torch.where(rank >= 2, 13.0, 0.0)
-        new[rows, truth] = 14.0 - rank.float()
-        return new.to(logits.dtype)
+        probs = torch.tensor([preset.rank_probs(d) for d in range(1, n + 1)]) if preset.calibrated else None
+        ranks = sample_ranks(preset, n, ranks_gen)
+        return oracle_logits(torch.cat(truth), ranks, v, logits_gen, probs).to(logits.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
 
@@ -161,7 +159,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=3, help="per dataset (embedded) / random prompts (qwen3-8b)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=2048, help="qwen3-8b: prompt length")
-    ap.add_argument("--top1", type=float, default=0.8, help="qwen3-8b: the oracle's top-1 rate")
+    ap.add_argument("--oracles", nargs="+", choices=sorted(PRESETS), default=["qwen3-8b-dflash", "optimistic"],
+                    help="qwen3-8b: the oracle drafts to run, one after the other (ddtree/bench/oracle.py)")
     ap.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
                     help="embedded: built-in sets or JSONL files")
@@ -195,12 +194,13 @@ def main():
         else:
             t = gpu.GPUTarget(ref_t, graphs=(mode == "graphs" and DEV.type == "cuda"))
             d = gpu.GPUDrafter(ref_d, graphs=t.graphs)  # ref_d stays bound to ref_t: the same embedding and head
-        if args.which == "qwen3-8b":
-            plant_oracle(d, perm, args.top1)
         decoders[mode] = Decoder(t, d)
     methods = [("ar", None), ("dflash", None)] + [("ddtree", b) for b in args.budgets]
     rows = []
-    for mode, dec in decoders.items():
+    oracles = args.oracles if args.which == "qwen3-8b" else [None]
+    for oracle, (mode, dec) in [(o, md) for o in oracles for md in decoders.items()]:
+        if oracle is not None:
+            plant_oracle(dec.drafter, perm, PRESETS[oracle])
         longest = max(map(len, prompts)) + args.max_new_tokens + max(args.budgets) + 1
         dec.target.new_cache(longest)  # the runtime keeps its largest cache: the graphs captured next stay valid
         dec.drafter.new_cache(longest)
@@ -215,7 +215,8 @@ def main():
             for i, ids in enumerate(prompts):
                 sync()
                 tokens, st = dec.generate(ids, method, SamplingParams(), args.max_new_tokens, stops)
-                new, secs, steps, acc = new + st.new_tokens, secs + st.seconds, steps + st.steps, acc + sum(st.acceptance_lengths)
+                new, secs, steps = new + st.new_tokens, secs + st.seconds, steps + st.steps
+                acc += sum(st.acceptance_lengths)
                 prefill += st.time_to_first_token
                 if m == "ar":
                     refs[i] = tokens
@@ -227,26 +228,30 @@ def main():
             stages = {k: round(1e3 * v / max(1, st.steps), 3) for k, v in st.stage_seconds.items()}
             # end to end (from before the prefill) and decode only (the tokens after the first over the time after
             # it: the DDTree reference's clock), as the benchmark reports them
-            row = dict(mode=mode, method=m, budget=b, tok_s=new / secs, tau=acc / max(1, steps), steps=steps,
+            row = dict(oracle=oracle, mode=mode, method=m, budget=b, tok_s=new / secs, tau=acc / max(1, steps),
+                       steps=steps,
                        decode_tok_s=(new - len(prompts)) / max(1e-9, secs - prefill), prefill_s=prefill,
                        new_tokens=new, ms_per_step=stages, verdicts=verdicts)
             rows.append(row)
-            print(f"{mode:7s} {m:7s} B={b or '-':>4} {row['tok_s']:8.1f} tok/s ({row['decode_tok_s']:8.1f} decode) "
+            print(f"{oracle or '':15s} {mode:7s} {m:7s} B={b or '-':>4} {row['tok_s']:8.1f} tok/s "
+                  f"({row['decode_tok_s']:8.1f} decode) "
                   f"tau={row['tau']:5.2f} "
                   f"{' '.join(f'{k}={v:.2f}' for k, v in stages.items())} "
                   f"{'all identical' if all(v == 'identical' for v in verdicts) else verdicts}", flush=True)
-    for mode in decoders:
-        ar, ar_decode = next((r["tok_s"], r["decode_tok_s"]) for r in rows if r["mode"] == mode and r["method"] == "ar")
+    for oracle, mode in [(o, m) for o in oracles for m in decoders]:
+        ar, ar_decode = next((r["tok_s"], r["decode_tok_s"]) for r in rows
+                             if (r["oracle"], r["mode"], r["method"]) == (oracle, mode, "ar"))
         for r in rows:
-            if r["mode"] == mode:
+            if (r["oracle"], r["mode"]) == (oracle, mode):
                 r["speedup_vs_ar"] = r["tok_s"] / ar
                 r["decode_speedup_vs_ar"] = r["decode_tok_s"] / ar_decode
     eager_ar = next((r["tok_s"] for r in rows if r["mode"] == "eager" and r["method"] == "ar"), None)
-    print(f"\n{'mode':7s} {'method':7s} {'B':>4} {'tok/s':>8} {'decode':>8} {'tau':>5} {'x ar':>6} "
+    print(f"\n{'oracle':15s} {'mode':7s} {'method':7s} {'B':>4} {'tok/s':>8} {'decode':>8} {'tau':>5} {'x ar':>6} "
           f"{'x ar dec':>8} {'x eager ar':>10}")
     for r in rows:
         vs_eager = f"{r['tok_s'] / eager_ar:10.2f}" if eager_ar else ""
-        print(f"{r['mode']:7s} {r['method']:7s} {r['budget'] or '-':>4} {r['tok_s']:8.1f} {r['decode_tok_s']:8.1f} "
+        print(f"{r['oracle'] or '':15s} {r['mode']:7s} {r['method']:7s} {r['budget'] or '-':>4} {r['tok_s']:8.1f} "
+              f"{r['decode_tok_s']:8.1f} "
               f"{r['tau']:5.2f} {r['speedup_vs_ar']:6.2f} {r['decode_speedup_vs_ar']:8.2f} {vs_eager}")
     report["rows"] = rows
     if args.which == "qwen3-8b":

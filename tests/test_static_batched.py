@@ -84,7 +84,7 @@ def test_bad_settings_are_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_graphs_give_the_eager_tokens():
-    target = random_target("llama", seed=3, dtype=torch.float32, init_scale=0.25).cuda()
+    target = random_target("llama", seed=3, dtype=torch.float32, device="cuda", init_scale=0.25, runtime=False)
     jobs = _jobs(12, target.cfg.vocab_size)
     runs = [{(a.job.key, a.turn): a.response_ids
              for a in StaticBatchedDecoder(target, 4, 160, 24, STOPS, span_step=16, graphs=g).run(jobs)}

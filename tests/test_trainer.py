@@ -295,6 +295,21 @@ def test_resume_logs_each_step_once_and_does_not_evaluate_a_finished_run_again(t
     assert _log(run) == before  # the finished run once more: nothing trained, step 4 not evaluated again
 
 
+def test_total_steps_sizes_the_schedule_in_place_of_epochs(tiny_data, tmp_path):
+    """--total-steps: warmup and cosine decay over that many steps, whatever the epochs; past an epoch's end the
+    next epoch's order is read."""
+    target, data = tiny_data
+    train = read_sequences(data, "train")[:8]  # 4 steps an epoch at 2 sequences a step
+    cfg = train_config(epochs=1, total_steps=6, warmup=0.0, eval_prompts=0, val_sequences=0)
+    trainer = Trainer(cfg, target, new_drafter(target), train, tmp_path / "run")
+    assert trainer.steps_per_epoch == 4 and trainer.total_steps == 6
+    assert trainer.run() == "done" and trainer.step == 6
+    log = [r for r in _log(tmp_path / "run") if r["kind"] == "train"]
+    assert [r["epoch"] for r in log] == [0, 0, 0, 0, 1, 1]
+    lrs = [r["lr"] for r in log]
+    assert lrs == sorted(lrs, reverse=True) and lrs[0] == pytest.approx(cfg.lr) and lrs[-1] < 0.1 * cfg.lr
+
+
 def test_tau_on_training_prompts_is_labelled(tiny_data, tmp_path):
     """Without held-out sequences tau can only be measured on training prompts: the log and the card say so."""
     from ddtree.train.card import model_card

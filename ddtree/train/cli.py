@@ -613,6 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--min-lr-ratio", type=float, help="cosine decays to lr * this (default 0)")
     f.add_argument("--grad-clip", type=float, help="(default 1.0)")
     f.add_argument("--epochs", type=int, help="(default 6)")
+    f.add_argument("--total-steps", type=cli_int(1), help="the schedule's length in optimizer steps, in place of "
+                   "--epochs: a run sized by the compute at hand (warmup and cosine decay over these steps; a "
+                   "partial epoch reads a random subset of the data)")
     f.add_argument("--seqs-per-step", type=int, help="sequences per process per optimizer step (default 4)")
     f.add_argument("--pack-tokens", type=cli_int(0), help="a step's sequences share passes of up to this many "
                    "tokens (default: 8192 on CUDA, where a pass per sequence is launch-bound; 0 on CPU: one each)")

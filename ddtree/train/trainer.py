@@ -46,6 +46,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0
     epochs: int = 6
+    total_steps: int | None = None  # the schedule's length in steps, in place of epochs x steps per epoch
     seqs_per_step: int = 4  # per process (gradient accumulation)
     anchors: int = 64  # per sequence, re-drawn every epoch
     include_prompt_anchors: bool = False
@@ -184,7 +185,9 @@ class Trainer:
         if self.steps_per_epoch < 1:
             raise ValueError(f"{len(self.train_seqs)} training sequences are fewer than one step needs "
                              f"({cfg.seqs_per_step} per process x {self.world} processes)")
-        self.total_steps = self.steps_per_epoch * cfg.epochs
+        # a run sized by compute (total_steps) reads a random subset of its last epoch; the order stays a function
+        # of (seed, epoch, step), so a resume replays it
+        self.total_steps = cfg.total_steps or self.steps_per_epoch * cfg.epochs
         warm = max(1, round(cfg.warmup * self.total_steps))
 
         def schedule(step: int) -> float:
