@@ -46,6 +46,7 @@ run) ;;
 esac
 
 rm -rf "$R" && mkdir -p "$R/logs" "$OUT"
+trap 'tar -C "$R" -czf "$OUT/logs.tgz" logs 2>/dev/null' EXIT  # every log comes back, whatever happens (one file)
 if [ "$SMOKE" = 1 ]; then
     # the embedded target on this CPU; a few chunks of the data so that the arms differ, tiny steps
     DEV=(--device cpu --threads 1); TGT=(); DEADLINE=${DEADLINE:-400}
@@ -114,5 +115,4 @@ cp -r $R/logs $R/pack/
 tar -C $R -cf - pack | xz -T0 -3 > $R/results.tar.xz
 split -b 15M -d $R/results.tar.xz "$OUT/results.tar.xz.part"
 say "packed: $(du -b $R/results.tar.xz | cut -f1) bytes in $(ls $OUT/results.tar.xz.part* | wc -l) parts"
-cp $R/logs/driver.txt "$OUT/driver.txt"
 for arm in "${ARMS[@]}"; do tail -n 2 $R/logs/fit-$arm.txt; done
