@@ -10,13 +10,18 @@ SDPA with a [R, 1, 1, span] mask reads every row's keys up to the longest row's;
 longest row is several times the mean. Here a program (row, KV head) reads its own row's keys only, in BLOCK_N key
 blocks up to the row's length (read on the device: one captured graph serves every step). The G query heads of
 the KV head form the M axis of one tile (padded to 16 rows for tl.dot); online softmax in fp32, exp2 domain, P
-rounded to the K/V dtype for P @ V, as in flash attention.
+rounded to the K/V dtype for P @ V, as in flash attention (tree_attention's step, shared).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from ddtree.base.kernel_files import kernel_module
+
+# the flash-attention step both attention kernels take over a key block (fp32 statistics, P in the K/V dtype)
+_online_softmax_step = kernel_module("tree_attention")._online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -54,16 +59,10 @@ def _row_attention_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         s = tl.where(k_valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + keys[:, None] * stride_vt + offs_d[None, :], mask=k_valid[:, None], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        p = p.to(Q.dtype.element_ty).to(v.dtype)  # P in the K/V dtype for P @ V
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, Q.dtype.element_ty, INPUT_PRECISION)
     out = acc / l_i[:, None]
     tl.store(Out + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=m_valid[:, None])
