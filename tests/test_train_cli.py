@@ -168,3 +168,10 @@ def test_probe_json_to_an_unwritable_path_fails_before_the_probe(tmp_path, monke
     assert cli.main(["probe", "--eval-sets", "gsm", "--json", str(path)]) == 2
     err = capsys.readouterr().err
     assert "--json" in err and ("is a directory" if where == "a directory" else "is a file") in err
+
+
+def test_fit_refuses_two_schedule_lengths_before_loading(tmp_path, capsys):
+    from ddtree.train.cli import main
+
+    assert main(["fit", "--data", "d", "--out", str(tmp_path / "o"), "--epochs", "2", "--total-steps", "50"]) == 2
+    assert "--epochs 2 and --total-steps 50 both set the schedule's length: give one" in capsys.readouterr().err

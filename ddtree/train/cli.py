@@ -303,6 +303,9 @@ def _check_markov_args(args) -> None:
 def cmd_fit(args) -> int:
     out = output_dir(args.out, "--out")  # bad input fails here, before the target is loaded
     _check_markov_args(args)
+    if args.epochs is not None and args.total_steps is not None:
+        raise ConfigError(f"--epochs {args.epochs} and --total-steps {args.total_steps} both set the schedule's "
+                          "length: give one")
     train, heldout = read_sequences(args.data, "train"), read_sequences(args.data, "heldout")
     target, tokenizer, stops, _ = _load_target(args)
     init_distributed(target.device)
