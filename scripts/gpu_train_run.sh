@@ -40,6 +40,7 @@ unpack)  # here: the parts that came back -> runs/gpu-train/<arm>-q8 (LM heads r
     done
     echo "probe each: python -m ddtree train probe --draft $R/<arm>-q8 --data ${OLD[*]} ${NEW[*]} --split heldout" \
          "--max-sequences 40 --eval-sets humaneval,mt-bench,gsm --num-prompts 8 --json runs/probe-<arm>.json"
+    echo "then choose by the main job's speed: python scripts/choose_drafter.py $R/all-q8 $R/old-q8"
     exit 0 ;;
 run) ;;
 *) echo "usage: gpu_train_run.sh [stash|unpack DIR]"; exit 2 ;;
