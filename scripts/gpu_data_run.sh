@@ -20,7 +20,8 @@
 #   here: bash scripts/gpu_data_run.sh unpack <files_at>   -> data/smollm2-gpu1 (the latest call's parts hold it all)
 #
 # SMOKE=1 bash scripts/gpu_data_run.sh runs the whole of the last call on this CPU on tiny settings (the embedded
-# target, 40 prompts, eager passes), so the script is tested before a window is spent on it.
+# target, 40 prompts, eager passes), so the script is tested before a window is spent on it
+# (tests/test_gpu_scripts.py runs it with RUN_DIR and OUT in a temporary folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
@@ -72,7 +73,7 @@ run) ;;
 esac
 
 mkdir -p "$OUT"
-R=runs/gpu-data  # kept between calls on a held machine (an ignored path): a second run resumes its chunks
+R=${RUN_DIR:-runs/gpu-data}  # kept between calls on a held machine (ignored): a second run resumes its chunks
 [ "$SMOKE" = 1 ] && rm -rf "$R"
 mkdir -p "$R"
 if [ "$SMOKE" = 1 ]; then

@@ -14,13 +14,14 @@
 #                  bash scripts/gpu_train_run.sh
 #   here: bash scripts/gpu_train_run.sh unpack <files_at>   -> runs/gpu-train/<arm>-q8, then probe them
 #
-# SMOKE=1 bash scripts/gpu_train_run.sh runs the whole of the last call on this CPU on tiny settings.
+# SMOKE=1 bash scripts/gpu_train_run.sh runs the whole of the last call on this CPU on tiny settings
+# (tests/test_gpu_scripts.py runs it with RUN_DIR and OUT in a temporary folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
 SMOKE=${SMOKE:-0}
 OUT=${OUT:-/tmp/gpu-train-out}
-R=runs/gpu-train
+R=${RUN_DIR:-runs/gpu-train}  # replaced on every run (the tests point it elsewhere)
 source scripts/gpu_common.sh  # G, PY, gpu_stash, gpu_setup
 SHIPPED=ddtree/assets/smollm2-135m-dflash
 OLD=(data/smollm2-v2 data/smollm2-v3 data/smollm2-v4 data/smollm2-v5 data/smollm2-v6)

@@ -1,0 +1,41 @@
+"""The GPU window scripts' dry runs (SMOKE=1: the whole last device call on this CPU, tiny settings), so that a
+script a GPU session depends on cannot break unseen between the sessions that have a GPU: scripts/gpu_data_run.sh
+(with scripts/gpu_self_check.py, the check it makes before generating) and scripts/gpu_train_run.sh."""
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _smoke(script: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    out, run = tmp_path / "out", tmp_path / "run"
+    env = {**os.environ, "SMOKE": "1", "OUT": str(out), "RUN_DIR": str(run)}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / script)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, out, run
+
+
+@pytest.mark.slow
+def test_the_data_window_dry_run_checks_the_fast_paths_and_packs_its_chunks(tmp_path):
+    done, out, run = _smoke("gpu_data_run.sh", tmp_path)
+    assert "fast paths (graphs False, row attention) equal to the plain passes" in (out / "gpu-check.txt").read_text()
+    chunks = sorted((run / "smollm2-gpu1").glob("chunk_*.npz"))
+    assert chunks and (out / "data.tar.xz.part00").stat().st_size > 0
+    assert f"generated: {len(chunks)} chunks" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_training_window_dry_run_trains_both_arms_and_packs_them(tmp_path):
+    done, out, run = _smoke("gpu_train_run.sh", tmp_path)
+    assert "calibrated:" in done.stdout and "trained; packing" in done.stdout
+    for arm in ("all", "old"):
+        assert f"{arm}: fit: done at step 3/3" in done.stdout
+        assert (run / "pack" / arm / "manifest.json").is_file()
+    assert sorted(p.name for p in out.glob("results.tar.xz.part*"))[0] == "results.tar.xz.part00"
+    with tarfile.open(out / "logs.tgz") as logs:
+        assert {"logs/driver.txt", "logs/fit-all.txt", "logs/fit-old.txt"} <= set(logs.getnames())
