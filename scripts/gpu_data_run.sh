@@ -54,10 +54,15 @@ prepare)
     (sha256sum "$src" | sed "s|  .*|  /root/g/$GGUF_NAME|"; cd .gpu && sha256sum p? prompts.jsonl.xz) > .gpu/sums
     du -b .gpu/p* .gpu/whl/* .gpu/prompts.jsonl.xz
     parts=(.gpu/p?); last=${parts[-1]}
-    for p in "${parts[@]}"; do
-        [ "$p" = "$last" ] || echo "device call: carry [\"$p\"], command: bash scripts/gpu_data_run.sh stash"
+    for window in data train; do
+        echo "a $window window (scripts/gpu_${window}_run.sh), each call within the warm window of the one before:"
+        for p in "${parts[@]}"; do
+            [ "$p" = "$last" ] || echo "  device call: carry [\"$p\"], command: bash scripts/gpu_${window}_run.sh stash"
+        done
+        extra=""; [ $window = data ] && extra=", \".gpu/prompts.jsonl.xz\""
+        echo "  device call: carry [\"$last\", \".gpu/whl\"$extra, \".gpu/sums\"], timeout_s 600," \
+             "command: bash scripts/gpu_${window}_run.sh"
     done
-    echo "device call: carry [\"$last\", \".gpu/whl\", \".gpu/prompts.jsonl.xz\", \".gpu/sums\"], timeout_s 600, command: bash scripts/gpu_data_run.sh"
     exit 0 ;;
 stash)  # every call but the last: keep this call's part for the last
     gpu_stash; exit ;;
@@ -78,7 +83,8 @@ R=${RUN_DIR:-runs/gpu-data}  # kept between calls on a held machine (ignored): a
 mkdir -p "$R"
 if [ "$SMOKE" = 1 ]; then
     TGT=(); DEV=(--device cpu --threads 2); DEC=static-eager; SLOTS=8; MINUTES=${SMOKE_MINUTES:-0.3}; DEADLINE=120
-    $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null || exit 1
+    $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null \
+        || exit 1
     PROMPTS=$R/prompts.jsonl
     GEN=(--max-new-tokens 24 --chunk-size 6 --answers-per-prompt 2 --sampled-fraction 0.25 --follow-ups 0.35)
     $PY scripts/gpu_self_check.py cpu | tee "$OUT/gpu-check.txt" || exit 1  # the check itself, on the CPU
