@@ -22,6 +22,7 @@ Writes gpu_e2e_<which>.json to $OUT (default .).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -33,7 +34,7 @@ SMOKE = os.environ.get("SMOKE") == "1"
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernel in its CPU interpreter: set before the import
 
-from ddtree.bench.oracle import PRESETS, OraclePreset, oracle_logits, sample_ranks  # noqa: E402
+from ddtree.bench.oracle import PRESETS, OraclePreset, oracle_logits, prob_table, rank_table  # noqa: E402
 from ddtree.models.attention import Visibility  # noqa: E402
 from ddtree.engine.checker import check_tokens  # noqa: E402
 from ddtree.base.config import ModelConfig, SamplingParams  # noqa: E402
@@ -87,12 +88,16 @@ def qwen3_8b_pair():
     return target, drafter, perm
 
 
-def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 5):
+def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 5, chains: int = 16384):
     """drafter.draft() runs the real pass (its cost), then ranks perm^i(bonus), the target's greedy token at block
-    position i, where the preset draws it given the rank at i - 1 (ddtree/bench/oracle.py)."""
+    position i, where the preset draws it given the rank at i - 1 (ddtree/bench/oracle.py). The ranks and the
+    probabilities are drawn once into device tables, so the oracle adds launches to a draft but no synchronization."""
     real = drafter.__dict__.get("_real_draft") or drafter.draft
     drafter._real_draft = real
-    ranks_gen, logits_gen = torch.Generator().manual_seed(seed), torch.Generator(device=DEV).manual_seed(seed)
+    depths = drafter.block_size - 1
+    ranks = rank_table(preset, chains, depths, torch.Generator().manual_seed(seed), DEV)  # [chains, depths]
+    probs = prob_table(preset, depths, DEV)  # [depths, TOP_K + 1] or None
+    logits_gen, drafts = torch.Generator(device=DEV).manual_seed(seed), itertools.count()
 
     def draft(self, cache, bonus, length=None):
         logits = real(cache, bonus, length)  # [L - 1, V]
@@ -101,9 +106,8 @@ def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 
         for _ in range(n):
             tok = perm[tok]
             truth.append(tok)
-        probs = torch.tensor([preset.rank_probs(d) for d in range(1, n + 1)]) if preset.calibrated else None
-        ranks = sample_ranks(preset, n, ranks_gen)
-        return oracle_logits(torch.cat(truth), ranks, v, logits_gen, probs).to(logits.dtype)
+        row, rows_probs = ranks[next(drafts) % chains, :n], None if probs is None else probs[:n]
+        return oracle_logits(torch.cat(truth), row, v, logits_gen, rows_probs).to(logits.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddtree.bench.oracle import FAR, PRESETS, TOP_K, oracle_logits, sample_ranks
+from ddtree.bench.oracle import FAR, PRESETS, TOP_K, oracle_logits, prob_table, rank_table, sample_ranks
 from ddtree.train.probe import path_hit_rates, path_hits
 
 
@@ -57,3 +57,17 @@ def test_the_logits_rank_the_true_token_where_it_was_drawn(vocab, calibrated):
         assert r == rank if rank != FAR else r >= TOP_K
     top = logits.topk(TOP_K + 1, dim=1).values  # distinct scores: no ties among the top ranks
     assert bool((top[:, :-1] > top[:, 1:]).all())
+
+
+def test_the_device_tables_hold_what_the_host_draws_give():
+    preset = PRESETS["embedded"]
+    table = rank_table(preset, 50, 9, torch.Generator().manual_seed(3), "cpu")
+    g = torch.Generator().manual_seed(3)
+    assert table.tolist() == [sample_ranks(preset, 9, g) for _ in range(50)]
+    assert torch.allclose(prob_table(preset, 9, "cpu"), torch.tensor([preset.rank_probs(d) for d in range(1, 10)]))
+    assert prob_table(PRESETS["optimistic"], 9, "cpu") is None
+    truth = torch.arange(9) * 7
+    from_table = oracle_logits(truth, table[0], 5000, torch.Generator().manual_seed(1), prob_table(preset, 9, "cpu"))
+    from_list = oracle_logits(truth, table[0].tolist(), 5000, torch.Generator().manual_seed(1),
+                              prob_table(preset, 9, "cpu"))
+    assert torch.equal(from_table, from_list)

@@ -86,19 +86,34 @@ def sample_ranks(preset: OraclePreset, depths: int, generator: torch.Generator) 
     return ranks
 
 
-def oracle_logits(truth: torch.Tensor, ranks: list[int], vocab: int, generator: torch.Generator,
+def rank_table(preset: OraclePreset, chains: int, depths: int, generator: torch.Generator, device) -> torch.Tensor:
+    """sample_ranks drawn `chains` times: int64 [chains, depths] on `device`, uploaded once, so that a timed draft
+    reads its ranks there (a row per draft) instead of copying them from the host (a synchronization)."""
+    return torch.tensor([sample_ranks(preset, depths, generator) for _ in range(chains)], device=device)
+
+
+def prob_table(preset: OraclePreset, depths: int, device) -> torch.Tensor | None:
+    """OraclePreset.rank_probs at depths 1..depths: float32 [depths, TOP_K + 1] on `device` (None when the preset
+    is not calibrated); a draft of n positions takes the first n rows."""
+    if not preset.calibrated:
+        return None
+    return torch.tensor([preset.rank_probs(d) for d in range(1, depths + 1)], device=device)
+
+
+def oracle_logits(truth: torch.Tensor, ranks, vocab: int, generator: torch.Generator,
                   probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits [n, vocab] (float32, on truth's device) ranking truth[i] at ranks[i]: noise N(0, 1) everywhere,
-    distinct decoys (never the true token) at the other top TOP_K ranks, and a FAR true token below all the noise.
-    probs [n, TOP_K + 1] (OraclePreset.rank_probs per row): the top ranks' softmax probabilities, the noise holding
-    the rest (with vocabularies of thousands, so that no noise outranks the top ranks); None: scores 14 - rank."""
+    """Logits [n, vocab] (float32, on truth's device) ranking truth[i] at ranks[i] (a list, or an int64 tensor on
+    truth's device: rank_table's row): noise N(0, 1) everywhere, distinct decoys (never the true token) at the other
+    top TOP_K ranks, and a FAR true token below all the noise. probs [n, TOP_K + 1] (prob_table's rows): the top
+    ranks' softmax probabilities, the noise holding the rest (with vocabularies of thousands, so that no noise
+    outranks the top ranks); None: scores 14 - rank. Everything runs on the device: no synchronization."""
     n, dev = truth.numel(), truth.device
     logits = torch.randn(n, vocab, generator=generator, device=dev)
     rows = torch.arange(n, device=dev)
-    others = torch.ones(n, vocab, device=dev)
-    others[rows, truth] = 0.0
-    decoys = torch.multinomial(others, TOP_K, replacement=False, generator=generator)  # [n, TOP_K], distinct
-    rank = torch.tensor(ranks, device=dev).clamp(max=TOP_K)  # FAR -> TOP_K: the decoys take ranks 0..TOP_K-1
+    # TOP_K consecutive offsets from a random start in [1, vocab - TOP_K]: distinct decoys, none the true token
+    start = torch.randint(1, vocab - TOP_K + 1, (n, 1), generator=generator, device=dev)
+    decoys = (truth[:, None] + start + torch.arange(TOP_K, device=dev)) % vocab  # [n, TOP_K]
+    rank = torch.as_tensor(ranks, device=dev).clamp(max=TOP_K)  # FAR -> TOP_K: the decoys take ranks 0..TOP_K-1
     # decoy `slot` takes rank slot, or slot + 1 at and past the true token's rank; TOP_K: not needed, stays noise
     at = torch.arange(TOP_K, device=dev) + (torch.arange(TOP_K, device=dev) >= rank[:, None]).long()  # [n, TOP_K]
     tokens = torch.cat([decoys, truth[:, None]], dim=1)  # [n, TOP_K + 1] and the rank each takes (TOP_K: none)
