@@ -151,21 +151,17 @@ class StaticBatchedDecoder:
             return self._decode(span)
         graph = self._graphs.get(span)
         if graph is None:
-            # the warm-up runs a real step (the capture itself runs nothing), so this step is it
-            snapshot = self.state.clone()
+            # the warm-up runs a real step, so this step is it; the capture records the pass without running it,
+            # so state and chosen keep the warm-up's results
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._decode(span)
             torch.cuda.current_stream().wait_stream(side)
-            taken = (self.state.clone(), self.chosen.clone())
-            self.state.copy_(snapshot)
             self._pool = self._pool or torch.cuda.graph_pool_handle()
             graph = self._graphs[span] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._decode(span)
-            self.state.copy_(taken[0])
-            self.chosen.copy_(taken[1])
             return
         graph.replay()
 
