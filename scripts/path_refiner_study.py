@@ -81,8 +81,9 @@ def examples(hidden, labels, roots, t2d):
     return [torch.cat(x) for x in zip(*rows)]
 
 
-def tree_accepts(hidden, labels, root, head, embed, t2d, budgets, refiner=None, k=8):
-    """Best-first tree of max(budgets) nodes for one root; returns the accepted draft tokens per budget."""
+def tree_accepts(hidden, labels, root, head, embed, t2d, target_of, budgets, refiner=None, k=8):
+    """Best-first tree of max(budgets) nodes for one root; returns the accepted draft tokens per budget.
+    t2d: target id -> draft id (-1 outside); target_of: draft id -> target id (the drafter's to_target_ids)."""
     b = hidden.shape[0]
 
     def children(depth, token, parent_token):  # depth of the children (1..B-1) -> (log-probs [k], draft ids [k])
@@ -98,7 +99,6 @@ def tree_accepts(hidden, labels, root, head, embed, t2d, budgets, refiner=None, 
     for v, i in zip(vals, idx):
         heapq.heappush(heap, (-v, n, 1, i, (i,)))
         n += 1
-    target_of = head_target_ids(t2d)
     while heap and len(order) < max(budgets):
         neg, _, depth, i, path = heapq.heappop(heap)
         order.append(path)
@@ -118,19 +118,6 @@ def tree_accepts(hidden, labels, root, head, embed, t2d, budgets, refiner=None, 
             break
         accepted_at.append(index[p])
     return [sum(pos < bud for pos in accepted_at) for bud in budgets]
-
-
-_TARGET_OF = {}
-
-
-def head_target_ids(t2d):
-    key = id(t2d)
-    if key not in _TARGET_OF:
-        inv = torch.full((int(t2d.max()) + 1,), -1, dtype=torch.long)
-        ok = t2d >= 0
-        inv[t2d[ok]] = torch.arange(t2d.numel())[ok]
-        _TARGET_OF[key] = inv
-    return _TARGET_OF[key]
 
 
 def main() -> int:
@@ -157,6 +144,7 @@ def main() -> int:
     head = draft_head(pair.drafter, pair.target).float()
     embed = reference(pair.target).model.embed_tokens.weight.float()
     t2d = target_to_draft(reference(pair.drafter))
+    target_of = reference(pair.drafter).to_target_ids(torch.arange(head.shape[0]))  # draft id -> target id
     t0 = time.time()
 
     refiner = Refiner(head.shape[1], args.width)
@@ -165,7 +153,7 @@ def main() -> int:
     else:
         train_refiner(refiner, training_rows(pair, t2d, args, out, rng, t0), head, embed, args.epochs, t0)
         torch.save(refiner.state_dict(), out / "refiner.pt")
-    evaluate(pair, refiner, head, embed, t2d, budgets, args, out, t0)
+    evaluate(pair, refiner, head, embed, t2d, target_of, budgets, args, out, t0)
     return 0
 
 
@@ -216,7 +204,7 @@ def train_refiner(refiner, train, head, embed, epochs, t0):
               f"(marginal {base_hits / n:.1%})", flush=True)
 
 
-def evaluate(pair, refiner, head, embed, t2d, budgets, args, out, t0):
+def evaluate(pair, refiner, head, embed, t2d, target_of, budgets, args, out, t0):
     """tau per budget on the same roots: marginal trees, the Markov head's trees (the engine's), refined trees."""
     drafter = pair.drafter
     groups: dict[str, list] = {}
@@ -242,7 +230,7 @@ def evaluate(pair, refiner, head, embed, t2d, budgets, args, out, t0):
             sums = {"marginal": [0] * len(budgets), "head": [0] * len(budgets), "refined": [0] * len(budgets)}
             for hidden, labels, root in roots:
                 for kind, r in (("marginal", None), ("refined", refiner)):
-                    acc = tree_accepts(hidden, labels, root, head, embed, t2d, budgets, r)
+                    acc = tree_accepts(hidden, labels, root, head, embed, t2d, target_of, budgets, r)
                     sums[kind] = [x + y for x, y in zip(sums[kind], acc)]
                 logprobs = (hidden[1:] @ head.T).log_softmax(-1)  # [B-1, draft vocab]
                 true = torch.where(labels >= 0, t2d[labels.clamp(min=0)], -1).numpy()
