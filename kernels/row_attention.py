@@ -20,8 +20,10 @@ import triton.language as tl
 
 from ddtree.base.kernel_files import kernel_module
 
-# the flash-attention step both attention kernels take over a key block (fp32 statistics, P in the K/V dtype)
-_online_softmax_step = kernel_module("tree_attention")._online_softmax_step
+# the flash-attention step both attention kernels take over a key block (fp32 statistics, P in the K/V dtype), and
+# whether Triton runs its interpreter (decided for every kernel at its import)
+_tree_attention = kernel_module("tree_attention")
+_online_softmax_step, _interpreting = _tree_attention._online_softmax_step, _tree_attention._interpreting
 
 _LOG2E = 1.4426950408889634
 
@@ -66,10 +68,6 @@ def _row_attention_kernel(
     out = acc / l_i[:, None]
     tl.store(Out + row * stride_or + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=m_valid[:, None])
-
-
-def _interpreting() -> bool:
-    return type(_row_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
