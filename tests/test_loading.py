@@ -2,6 +2,7 @@
 drafter files that do not match, and the dequantized GGUF cache (checksummed at conversion, verified on load)."""
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -221,6 +222,46 @@ def test_a_killed_conversions_staging_is_swept(fake_gguf, tmp_path):
         (folder / "model.safetensors").write_bytes(b"x" * 1000)
     _cached(fake_gguf)
     assert not left.exists() and live.exists()
+
+
+def test_the_same_gguf_bytes_elsewhere_share_one_conversion(fake_gguf, tmp_path):
+    """Every virtual environment holds its own copy of the embedded wheel's GGUF: keyed by path, each had added a
+    538 MB conversion until the disk was full. Keyed by content, a copy finds the first one; other bytes do not."""
+    path, conversions = fake_gguf
+    first = _cached(fake_gguf)
+    copy = tmp_path / "other-venv" / path.name
+    copy.parent.mkdir()
+    shutil.copy2(path, copy)
+    assert resolve_target_dir(copy) == first and len(conversions) == 1
+    copy.write_bytes(b"GGUF, other bytes")
+    assert resolve_target_dir(copy) != first and len(conversions) == 2
+
+
+def test_outdated_conversions_whose_source_is_gone_are_removed(fake_gguf, tmp_path):
+    """Older-format conversions (keyed by path) of a file that no longer exists are removed with their exact
+    blocks; one whose source still exists, one of another name and an unsealed folder stay."""
+    from ddtree.base.cache import cache_root, seal
+
+    path, _ = fake_gguf
+    root = cache_root()
+
+    def old_conversion(name, source):
+        folder = root / name
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x" * 100)
+        seal(folder, format=3, source={"path": str(source), "size": 4, "mtime_ns": 0})
+        return folder
+
+    gone = old_conversion(f"{path.stem}-0123456789ab", tmp_path / "deleted-venv" / path.name)
+    (root / "exact-blocks" / gone.name).mkdir(parents=True)
+    (root / "exact-blocks" / gone.name / "blocks.safetensors").write_bytes(b"y")
+    alive = old_conversion(f"{path.stem}-ba9876543210", path)
+    other = old_conversion("another-0123456789ab", tmp_path / "deleted-venv" / "another.gguf")
+    unsealed = root / f"{path.stem}-aaaaaaaaaaaa"
+    unsealed.mkdir()
+    _cached(fake_gguf)
+    assert not gone.exists() and not (root / "exact-blocks" / gone.name).exists()
+    assert alive.exists() and other.exists() and unsealed.exists()
 
 
 def test_a_full_disk_while_converting_names_the_fix(fake_gguf, monkeypatch):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..api import GenerationResult
-from ..base.cache import cache_root, replacing_dir
+from ..base.cache import cache_root, content_key, replacing_dir
 from ..base.config import ConfigError
 from ..base.files import output_dir
 from ..models.gguf_export import write_gguf
@@ -30,7 +30,8 @@ from ..engine.stats import GenerationStats
 
 INSTALL = ('pip install -e ".[llamacpp]" (or pip install llama-cpp-python; it builds llama.cpp from source, '
            "~10 min on 2 cores)")
-EXPORT_FORMAT = 1  # part of the exported GGUF's cache key: bump when gguf_export's output changes
+# Part of the exported GGUF's cache key: bump when gguf_export's output changes. 2: keyed by the source's bytes.
+EXPORT_FORMAT = 2
 
 
 def llamacpp_problem() -> str | None:
@@ -49,9 +50,8 @@ def exported_gguf(pair) -> Path:
         raise ConfigError("the llamacpp method needs the target's GGUF for its tokenizer metadata: load the target "
                           "from a .gguf file (the embedded default is one); Hugging Face directories are not "
                           "supported yet")
-    stat = source.stat()
     dtype = str(pair.target.dtype).removeprefix("torch.")
-    key = hashlib.sha1(f"{EXPORT_FORMAT}:{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{dtype}".encode())
+    key = hashlib.sha1(f"{EXPORT_FORMAT}:{content_key(source)}:{dtype}".encode())
     folder = cache_root() / "llamacpp" / f"{source.stem}-{dtype}-{key.hexdigest()[:12]}"
     path = folder / "model.gguf"
     if not path.is_file():

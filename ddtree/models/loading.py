@@ -7,13 +7,14 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from .attention import resolve_backend
-from ..base.cache import cache_root, replacing_dir, seal, sweep, verify
+from ..base.cache import cache_root, content_key, notice, read_manifest, replacing_dir, seal, sweep, verify
 from ..base.config import SUPPORTED_ARCHS, ConfigError, ModelConfig, read_config
 from ..base.files import output_dir
 from .hf_target import attention_layout, load_hf_target
@@ -123,14 +124,36 @@ def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
 # 2: a conversion records checksums of its files (CACHE_MANIFEST). Conversions made before carry none: the
 # format is part of the cache key, so they are not reused (and can be deleted; see the README's "Caches").
 # 3: the config.json is portable (portable_config: architectures, model_type, top-level rope_theta).
-CACHE_FORMAT = 3
+# 4: keyed by the GGUF's content, not its path: each virtual environment's copy of the embedded wheel had added
+# a 538 MB conversion of its own.
+CACHE_FORMAT = 4
+_CONVERSION_NAME = re.compile(r"-[0-9a-f]{12}$")
 
 
 def gguf_cache_dir(path: Path) -> Path:
-    """Where the dequantized copy of this GGUF file (by path, size, modification time and cache format) lives."""
-    stat = path.stat()
-    key = hashlib.sha1(f"{CACHE_FORMAT}:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    """Where the dequantized copy of this GGUF file (by its bytes' SHA-256 and the cache format) lives."""
+    key = hashlib.sha1(f"{CACHE_FORMAT}:{content_key(path)}".encode()).hexdigest()[:12]
     return cache_root() / f"{path.stem}-{key}"
+
+
+def prune_stale_conversions(path: Path) -> list[Path]:
+    """Delete the conversions of `path`'s name made by an older cache format whose source file is gone (no load
+    can use them again), with their exact blocks; returns them. Anything unreadable or of another name stays."""
+    pruned, freed = [], 0
+    for entry in sorted(cache_root().glob(f"{path.stem}-*")):
+        manifest = read_manifest(entry) if entry.is_dir() and _CONVERSION_NAME.search(entry.name) else None
+        source = (manifest or {}).get("source") or {}
+        if not manifest or manifest.get("format", 0) >= CACHE_FORMAT or not source.get("path") \
+                or Path(source["path"]).exists():
+            continue
+        for folder in (entry, cache_root() / "exact-blocks" / entry.name):
+            freed += sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            shutil.rmtree(folder, ignore_errors=True)
+        pruned.append(entry)
+    if pruned:
+        notice(f"removed {len(pruned)} outdated conversion{'s' * (len(pruned) > 1)} of {path.name} whose source "
+               f"file is gone ({freed / 2**20:.0f} MB)")
+    return pruned
 
 
 def convert_gguf(path: Path) -> Path:
@@ -141,6 +164,7 @@ def convert_gguf(path: Path) -> Path:
     source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     out = gguf_cache_dir(path)
     sweep(out.parent)  # a conversion killed half-way leaves a staging folder as big as the model
+    prune_stale_conversions(path)
     if out.exists():
         problems = verify_cache(out)
         if not problems:
