@@ -217,33 +217,41 @@ class Stack {
     float* hp = h.data_ptr<float>();
     float* xp = x.data_ptr<float>();
     const int64_t QKV = (HQ + 2 * HKV) * D;
+    // The rows' elementwise work (norms, RoPE, the cache writes, residual adds, SwiGLU) runs on every thread
+    // between the products (each_row); each row's arithmetic is the same wherever it runs.
+    each_row(N, [&](int64_t i) { rmsnorm(hp + i * H, layers[0].in_norm.data_ptr<float>(), eps, H, xp + i * H); });
     for (int64_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
-      for (int64_t i = 0; i < N; ++i) rmsnorm(hp + i * H, ly.in_norm.data_ptr<float>(), eps, H, xp + i * H);
       torch::Tensor qkv = ly.qkv(x);
       TORCH_CHECK(qkv.size(1) == QKV && qkv.is_contiguous(), "qkv projection has the wrong width");
       float* q = qkv.data_ptr<float>();
       float* kc = k_cache.data_ptr<float>() + l * layer_stride;
       float* vc = v_cache.data_ptr<float>() + l * layer_stride;
-      for (int64_t i = 0; i < N; ++i) {
+      each_row(N, [&](int64_t i) {
         float* row = q + i * QKV;
         if (ly.q_norm.defined())
           for (int64_t a = 0; a < HQ; ++a) rmsnorm(row + a * D, ly.q_norm.data_ptr<float>(), eps, D, row + a * D);
         for (int64_t a = 0; a < HQ; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, D);
         key_value(ly, row + HQ * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, kc, vc, head_stride,
                   past + i);
-      }
+      });
       attend(q, QKV, kc, vc, head_stride, past, N, anc, attn.data_ptr<float>());
-      add_(hp, ly.o(attn), N * H);
-      for (int64_t i = 0; i < N; ++i) rmsnorm(hp + i * H, ly.post_norm.data_ptr<float>(), eps, H, xp + i * H);
+      const torch::Tensor o = ly.o(attn);
+      each_row(N, [&](int64_t i) {
+        add_(hp + i * H, o.data_ptr<float>() + i * H, H);
+        rmsnorm(hp + i * H, ly.post_norm.data_ptr<float>(), eps, H, xp + i * H);
+      });
       torch::Tensor gu = ly.gate_up(x);
       torch::Tensor act = torch::empty({N, I}, h.options());
-      swiglu(gu.data_ptr<float>(), N, act.data_ptr<float>());
-      add_(hp, ly.down(act), N * H);
-      if (tap_slot[l] >= 0) {
-        float* dst = tap_out.data_ptr<float>();
-        for (int64_t i = 0; i < N; ++i) std::copy(hp + i * H, hp + (i + 1) * H, dst + (i * taps.size() + tap_slot[l]) * H);
-      }
+      each_row(N, [&](int64_t i) { swiglu(gu.data_ptr<float>() + i * 2 * I, act.data_ptr<float>() + i * I); });
+      const torch::Tensor down = ly.down(act);
+      float* dst = tap_out.data_ptr<float>();
+      const Layer* next = l + 1 < L ? &layers[l + 1] : nullptr;
+      each_row(N, [&](int64_t i) {
+        add_(hp + i * H, down.data_ptr<float>() + i * H, H);
+        if (tap_slot[l] >= 0) std::copy(hp + i * H, hp + (i + 1) * H, dst + (i * taps.size() + tap_slot[l]) * H);
+        if (next) rmsnorm(hp + i * H, next->in_norm.data_ptr<float>(), eps, H, xp + i * H);
+      });
     }
     return {h, tap_out};
   }
@@ -318,27 +326,37 @@ class Stack {
     }
   }
 
-  // y += z, elementwise (the eager residual `h + z`).
-  static void add_(float* y, const torch::Tensor& z, int64_t n) {
-    const float* zp = z.data_ptr<float>();
-    for (int64_t j = 0; j < n; ++j) y[j] = y[j] + zp[j];
+  // Rows from this many up share their elementwise work between the threads; fewer run on the calling thread,
+  // where waking the others would cost more than the work.
+  static constexpr int64_t PARALLEL_ROWS = 4;
+
+  template <class F>
+  static void each_row(int64_t n, const F& fn) {
+    if (n < PARALLEL_ROWS || at::get_num_threads() < 2) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    at::parallel_for(0, n, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) fn(i);
+    });
   }
 
-  // gu [N, 2I] = [gate | up] -> act [N, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
-  void swiglu(const float* gu, int64_t N, float* act) const {
-    for (int64_t i = 0; i < N; ++i) {
-      const float* g = gu + i * 2 * I;
-      const float* u = g + I;
-      float* a = act + i * I;
-      int64_t j = 0;
-      for (; j + 8 <= I; j += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + j);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
-        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-        _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
-      }
-      for (; j < I; ++j) a[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
+  // y += z, elementwise (the eager residual `h + z`).
+  static void add_(float* y, const float* z, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) y[j] = y[j] + z[j];
+  }
+
+  // One row: gu [2I] = [gate | up] -> act [I] = silu(gate) * up, silu(g) = g / (1 + exp(-g)).
+  void swiglu(const float* g, float* a) const {
+    const float* u = g + I;
+    int64_t j = 0;
+    for (; j + 8 <= I; j += 8) {
+      const __m256 gv = _mm256_loadu_ps(g + j);
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+      const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      _mm256_storeu_ps(a + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
     }
+    for (; j < I; ++j) a[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
   }
 
   // Attention of the N new rows, per KV head: its queries are (query head of its group, row) pairs, all reading
