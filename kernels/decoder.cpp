@@ -389,7 +389,12 @@ class Stack {
         auto output = [&](int64_t t) { return out + (t0 + t) / group * HQ * D + (g * group + (t0 + t) % group) * D; };
         for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
-          for (int64_t t = 0; t < count; ++t) score_block(query(t), K, b, e, scores.data() + t * padded);
+          int64_t t = 0;
+#ifdef __AVX512F__
+          for (; t + 2 <= count; t += 2)
+            score_block2(query(t), query(t + 1), K, b, e, scores.data() + t * padded, scores.data() + (t + 1) * padded);
+#endif
+          for (; t < count; ++t) score_block(query(t), K, b, e, scores.data() + t * padded);
         }
         for (int64_t t = 0; t < count; ++t) {
           const int64_t i = (t0 + t) / group;
@@ -397,7 +402,12 @@ class Stack {
         }
         for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
-          for (int64_t t = 0; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, output(t));
+          int64_t t = 0;
+#ifdef __AVX512F__
+          for (; t + 2 <= count; t += 2)
+            weigh_values2(scores.data() + t * padded, scores.data() + (t + 1) * padded, V, b, e, output(t), output(t + 1));
+#endif
+          for (; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, output(t));
         }
         for (int64_t t = 0; t < count; ++t) {
           float* o = output(t);
@@ -425,6 +435,94 @@ class Stack {
     }
     for (; j < e; ++j) s[j] = dot(q, K + j * D, D) * scale;
   }
+
+#ifdef __AVX512F__
+  // score_block for two queries at once (the AVX-512 build): a 16-lane vector holds both queries' 8 lanes, so
+  // each key chunk is loaded once for both. Every lane runs the same chain of FMAs as score_block's and each half
+  // is summed by hsum8: the scores equal score_block's bit for bit.
+  void score_block2(const float* qa, const float* qb, const float* K, int64_t b, int64_t e, float* sa,
+                    float* sb) const {
+    const float scale = 1.f / std::sqrt(float(D));
+    alignas(64) float pair[2 * 512];  // [qa[c:c+8] | qb[c:c+8]] per chunk c (D <= 512, checked at construction)
+    for (int64_t c = 0; c < D; c += 8) {
+      std::copy(qa + c, qa + c + 8, pair + 2 * c);
+      std::copy(qb + c, qb + c + 8, pair + 2 * c + 8);
+    }
+    int64_t j = b;
+    for (; j + 8 <= e; j += 8) {
+      __m512 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+      const float* k0 = K + j * D;
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m512 qv = _mm512_load_ps(pair + 2 * c);
+        for (int t = 0; t < 8; ++t)
+          acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(k0 + t * D + c)), acc[t]);
+      }
+      __m256 lo[8], hi[8];
+      for (int t = 0; t < 8; ++t) {
+        lo[t] = _mm512_castps512_ps256(acc[t]);
+        hi[t] = _mm512_extractf32x8_ps(acc[t], 1);
+      }
+      _mm256_storeu_ps(sa + j, _mm256_mul_ps(hsum8(lo), _mm256_set1_ps(scale)));
+      _mm256_storeu_ps(sb + j, _mm256_mul_ps(hsum8(hi), _mm256_set1_ps(scale)));
+    }
+    for (; j < e; ++j) {
+      sa[j] = dot(qa, K + j * D, D) * scale;
+      sb[j] = dot(qb, K + j * D, D) * scale;
+    }
+  }
+
+  // weigh_values for two queries at once (the AVX-512 build): 16 columns a vector, each value row loaded once
+  // for both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
+  void weigh_values2(const float* wa, const float* wb, const float* V, int64_t b, int64_t e, float* oa,
+                     float* ob) const {
+    int64_t c0 = 0;
+    for (; c0 + 64 <= D; c0 += 64) weigh_columns2<4>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0);
+    switch ((D - c0) / 16) {
+      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
+      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
+      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
+      default: break;
+    }
+    c0 += (D - c0) / 16 * 16;
+    if (c0 < D) {  // D % 16 == 8: the last 8 columns, one query at a time
+      weigh_columns<1>(wa, V + c0, D, b, e, oa + c0);
+      weigh_columns<1>(wb, V + c0, D, b, e, ob + c0);
+    }
+  }
+
+  template <int C>
+  static void weigh_columns2(const float* wa, const float* wb, const float* V, int64_t D, int64_t b, int64_t e,
+                             float* oa, float* ob) {
+    __m512 A[C], B[C];
+    for (int c = 0; c < C; ++c) {
+      A[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(oa + 16 * c);
+      B[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ob + 16 * c);
+    }
+    for (int64_t j = b; j < e; ++j) {
+      const float x = wa[j], y = wb[j];
+      const float* v = V + j * D;
+      if (x != 0.f && y != 0.f) {
+        const __m512 xv = _mm512_set1_ps(x), yv = _mm512_set1_ps(y);
+        for (int c = 0; c < C; ++c) {
+          const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+          A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
+          B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
+        }
+      } else if (x != 0.f) {
+        const __m512 xv = _mm512_set1_ps(x);
+        for (int c = 0; c < C; ++c) A[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(v + 16 * c), A[c]);
+      } else if (y != 0.f) {
+        const __m512 yv = _mm512_set1_ps(y);
+        for (int c = 0; c < C; ++c) B[c] = _mm512_fmadd_ps(yv, _mm512_loadu_ps(v + 16 * c), B[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(oa + 16 * c, A[c]);
+      _mm512_storeu_ps(ob + 16 * c, B[c]);
+    }
+  }
+#endif
 
   // Scores -> exp(s - max) in place over the visible keys (0 elsewhere); returns their sum. vis: the row's
   // ancestors among the new rows, or null (all visible). The sum takes the visible keys in order, the k-th one in

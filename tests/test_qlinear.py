@@ -226,10 +226,12 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
         packed = qlinear.pack_rows(w4)
         assert torch.equal(avx2.f32p_linear(x, packed), avx512.f32p_linear(x, packed)), rows
 
-    def logits_with(build):
-        """A random target's stack built on `build`: a prompt, then a 9-node tree pass and a 1-row step."""
+    def logits_with(build, head_dim):
+        """A random target's stack built on `build`: a prompt, then a 9-node tree pass and a 1-row step. The head
+        sizes take every path of the AVX-512 attention (two queries a vector): 64 columns at a time, 16, and 8
+        (8 heads: the o projection reads 64-column blocks)."""
         monkeypatch.setattr(qlinear, "kernel", lambda choice="auto": build)
-        reference = random_target("qwen3", seed=3, fused=False, runtime=False)
+        reference = random_target("qwen3", seed=3, fused=False, runtime=False, head_dim=head_dim, num_heads=8)
         with torch.no_grad():  # bf16 values, as a checkpoint published in bf16: the stack streams bf16 copies
             for p in reference.parameters():
                 p.copy_(p.bfloat16().float())
@@ -244,8 +246,9 @@ def test_the_avx512_build_gives_the_avx2_builds_bits(monkeypatch):
         step = target(ids[20:21], torch.arange(20, 21), cache, Visibility(20, None)).logits
         return tree, step
 
-    for a, b in zip(logits_with(avx2), logits_with(avx512)):
-        assert torch.equal(a, b)
+    for head_dim in (24, 88):
+        for a, b in zip(logits_with(avx2, head_dim), logits_with(avx512, head_dim)):
+            assert torch.equal(a, b), head_dim
 
 
 def test_a_failed_avx512_build_falls_back_to_the_avx2_build(monkeypatch):
