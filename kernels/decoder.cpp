@@ -366,6 +366,17 @@ class Stack {
   // hsum(); a column: the keys in order, the running sum parked in `out` between blocks, which rounds nothing),
   // so a row's result does not depend on N or on which queries share its task.
   static constexpr int64_t KEY_BLOCK = 32;
+  // K and V rows are requested this many key blocks ahead of their use: a long context's cache comes from memory.
+  static constexpr int64_t PREFETCH_BLOCKS = 2;
+
+  // Prefetch rows [b, b + KEY_BLOCK) of one head's K or V (capped at `keys`), a cache line at a time.
+  void prefetch_rows(const float* X, int64_t b, int64_t keys) const {
+    const int64_t e = std::min(keys, b + KEY_BLOCK);
+    if (b >= e) return;
+    const char* p = reinterpret_cast<const char*>(X + b * D);
+    const char* end = reinterpret_cast<const char*>(X + e * D);
+    for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  }
 
   void attend(const float* qkv, int64_t QKV, const float* kc, const float* vc, int64_t head_stride, int64_t past,
               int64_t N, const bool* anc, float* out) const {
@@ -389,6 +400,7 @@ class Stack {
         auto output = [&](int64_t t) { return out + (t0 + t) / group * HQ * D + (g * group + (t0 + t) % group) * D; };
         for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
+          prefetch_rows(K, b + PREFETCH_BLOCKS * KEY_BLOCK, keys);
           int64_t t = 0;
 #ifdef __AVX512F__
           for (; t + 2 <= count; t += 2)
@@ -402,6 +414,7 @@ class Stack {
         }
         for (int64_t b = 0; b < keys; b += KEY_BLOCK) {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
+          prefetch_rows(V, b + PREFETCH_BLOCKS * KEY_BLOCK, keys);
           int64_t t = 0;
 #ifdef __AVX512F__
           for (; t + 2 <= count; t += 2)
