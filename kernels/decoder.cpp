@@ -418,9 +418,10 @@ class Stack {
           int64_t t = 0;
 #ifdef __AVX512F__
           for (; t + 2 <= count; t += 2)
-            weigh_values2(scores.data() + t * padded, scores.data() + (t + 1) * padded, V, b, e, output(t), output(t + 1));
+            weigh_values2(scores.data() + t * padded, scores.data() + (t + 1) * padded, V, b, e, past, output(t),
+                          output(t + 1));
 #endif
-          for (; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, output(t));
+          for (; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, past, output(t));
         }
         for (int64_t t = 0; t < count; ++t) {
           float* o = output(t);
@@ -487,32 +488,42 @@ class Stack {
 
   // weigh_values for two queries at once (the AVX-512 build): 16 columns a vector, each value row loaded once
   // for both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
-  void weigh_values2(const float* wa, const float* wb, const float* V, int64_t b, int64_t e, float* oa,
-                     float* ob) const {
+  void weigh_values2(const float* wa, const float* wb, const float* V, int64_t b, int64_t e, int64_t past,
+                     float* oa, float* ob) const {
     int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64) weigh_columns2<4>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0);
+    for (; c0 + 64 <= D; c0 += 64) weigh_columns2<4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
     switch ((D - c0) / 16) {
-      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
-      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
-      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, oa + c0, ob + c0); break;
+      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
       default: break;
     }
     c0 += (D - c0) / 16 * 16;
     if (c0 < D) {  // D % 16 == 8: the last 8 columns, one query at a time
-      weigh_columns<1>(wa, V + c0, D, b, e, oa + c0);
-      weigh_columns<1>(wb, V + c0, D, b, e, ob + c0);
+      weigh_columns<1>(wa, V + c0, D, b, e, past, oa + c0);
+      weigh_columns<1>(wb, V + c0, D, b, e, past, ob + c0);
     }
   }
 
   template <int C>
   static void weigh_columns2(const float* wa, const float* wb, const float* V, int64_t D, int64_t b, int64_t e,
-                             float* oa, float* ob) {
+                             int64_t past, float* oa, float* ob) {
     __m512 A[C], B[C];
     for (int c = 0; c < C; ++c) {
       A[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(oa + 16 * c);
       B[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ob + 16 * c);
     }
-    for (int64_t j = b; j < e; ++j) {
+    int64_t j = b;
+    for (const int64_t end = std::min(e, past); j < end; ++j) {  // past keys: never masked, no weight is 0
+      const __m512 xv = _mm512_set1_ps(wa[j]), yv = _mm512_set1_ps(wb[j]);
+      const float* v = V + j * D;
+      for (int c = 0; c < C; ++c) {
+        const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+        A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
+        B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
+      }
+    }
+    for (; j < e; ++j) {
       const float x = wa[j], y = wb[j];
       const float* v = V + j * D;
       if (x != 0.f && y != 0.f) {
@@ -586,18 +597,18 @@ class Stack {
   }
 
   // o[:D] += sum over keys j in [b, e) of w[j] V[j] (o zeroed at b == 0), 64 columns at a time: each column
-  // sums its keys in order; masked keys (w == 0) are skipped.
-  void weigh_values(const float* w, const float* V, int64_t b, int64_t e, float* o) const {
+  // sums its keys in order; masked keys (w == 0: only new rows, as a past key weighs at least exp(-87)) are skipped.
+  void weigh_values(const float* w, const float* V, int64_t b, int64_t e, int64_t past, float* o) const {
     int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64) weigh_columns<8>(w, V + c0, D, b, e, o + c0);
+    for (; c0 + 64 <= D; c0 += 64) weigh_columns<8>(w, V + c0, D, b, e, past, o + c0);
     switch ((D - c0) / 8) {  // D % 8 == 0
-      case 1: weigh_columns<1>(w, V + c0, D, b, e, o + c0); break;
-      case 2: weigh_columns<2>(w, V + c0, D, b, e, o + c0); break;
-      case 3: weigh_columns<3>(w, V + c0, D, b, e, o + c0); break;
-      case 4: weigh_columns<4>(w, V + c0, D, b, e, o + c0); break;
-      case 5: weigh_columns<5>(w, V + c0, D, b, e, o + c0); break;
-      case 6: weigh_columns<6>(w, V + c0, D, b, e, o + c0); break;
-      case 7: weigh_columns<7>(w, V + c0, D, b, e, o + c0); break;
+      case 1: weigh_columns<1>(w, V + c0, D, b, e, past, o + c0); break;
+      case 2: weigh_columns<2>(w, V + c0, D, b, e, past, o + c0); break;
+      case 3: weigh_columns<3>(w, V + c0, D, b, e, past, o + c0); break;
+      case 4: weigh_columns<4>(w, V + c0, D, b, e, past, o + c0); break;
+      case 5: weigh_columns<5>(w, V + c0, D, b, e, past, o + c0); break;
+      case 6: weigh_columns<6>(w, V + c0, D, b, e, past, o + c0); break;
+      case 7: weigh_columns<7>(w, V + c0, D, b, e, past, o + c0); break;
       default: break;
     }
   }
@@ -606,10 +617,17 @@ class Stack {
   // with a run-time count the compiler kept them on the stack, and every FMA waited on a store and a reload
   // (~10 ns per head, row and key for SmolLM2).
   template <int C>
-  static void weigh_columns(const float* w, const float* V, int64_t D, int64_t b, int64_t e, float* o) {
+  static void weigh_columns(const float* w, const float* V, int64_t D, int64_t b, int64_t e, int64_t past,
+                            float* o) {
     __m256 acc[C];
     for (int c = 0; c < C; ++c) acc[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
-    for (int64_t j = b; j < e; ++j) {
+    int64_t j = b;
+    for (const int64_t end = std::min(e, past); j < end; ++j) {  // past keys: never masked, no weight is 0
+      const __m256 wv = _mm256_set1_ps(w[j]);
+      const float* v = V + j * D;
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (; j < e; ++j) {
       if (w[j] == 0.f) continue;
       const __m256 wv = _mm256_set1_ps(w[j]);
       const float* v = V + j * D;
