@@ -367,9 +367,9 @@ class Stack {
   // so a row's result does not depend on N or on which queries share its task.
   static constexpr int64_t KEY_BLOCK = 32;
   // K and V rows are requested this many key blocks ahead of their use by tasks of up to PREFETCH_QUERIES
-  // queries: a long context's cache comes from memory, and a few queries' arithmetic cannot hide it (a wider task's
-  // can, and there the prefetches only stalled: 9 rows at 2,000 tokens 3% slower with them).
-  static constexpr int64_t PREFETCH_BLOCKS = 2, PREFETCH_QUERIES = 4;
+  // queries (passes of up to 5 rows for SmolLM2's 3 query heads a KV head): a long context's cache comes from
+  // memory, and a few queries' arithmetic cannot hide it; a wider task's can, and there the prefetches only stall.
+  static constexpr int64_t PREFETCH_BLOCKS = 2, PREFETCH_QUERIES = 8;
 
   // Prefetch rows [b, b + KEY_BLOCK) of one head's K or V (capped at `keys`), a cache line at a time.
   void prefetch_rows(const float* X, int64_t b, int64_t keys) const {
