@@ -99,6 +99,7 @@ def test_calibration_on_a_tiny_model(pairs):
     target, drafter = pairs["llama"]
     cost = calibrate(target, drafter, context=32, sizes=(1, 4, 16), repeats=1, stop_when_hopeless=False)
     assert cost.sizes == (1, 4, 16) and all(t > 0 for t in cost.verify_seconds) and cost.fixed_seconds > 0
+    assert cost.context == 32 and len(cost.key_seconds) == 3 and all(t >= 0 for t in cost.key_seconds)
     assert calibrate(target, drafter, context=32, sizes=(1,), repeats=1).sizes == (1,)  # block > largest size
 
 
@@ -136,7 +137,7 @@ class SleepyTarget:
 def test_calibration_stops_at_hopeless_sizes():
     """Once a step over n nodes costs more than a whole block of plain steps, larger trees are not timed."""
     fake = SleepyTarget()
-    cost = calibrate(fake, fake, context=8, repeats=1)  # block 2: 1 ms + 40 ms > 2 x 10 ms, so stop at n = 2
+    cost = calibrate(fake, fake, context=8, repeats=1, long_context=0)  # block 2: 1 ms + 40 ms > 2 x 10 ms, so stop at n = 2
     assert cost.sizes == (1, 2) and set(fake.sizes) == {1, 2}, cost
 
 
@@ -155,7 +156,7 @@ def test_calibration_rounds_interleave_sizes_and_the_curve_never_falls():
     """Each round times every size once, so a slowdown halfway hits all sizes alike (sequential timing would give
     the later sizes 3x the cost), and a larger tree never costs less than a smaller one."""
     fake = DriftingTarget()
-    cost = calibrate(fake, fake, context=8, sizes=(1, 2, 4), repeats=4, stop_when_hopeless=False)
+    cost = calibrate(fake, fake, context=8, sizes=(1, 2, 4), repeats=4, stop_when_hopeless=False, long_context=0)
     assert fake.sizes == [1, 1, 2, 2, 4, 4] + [1, 2, 4] * 4  # a warm-up round (a set-up call, then a timed one
     # per size), then 4 rounds over all sizes
     v = np.asarray(cost.verify_seconds)
@@ -279,10 +280,49 @@ class CachedDrafter(SleepyTarget):
 def test_drafts_are_timed_after_a_target_pass_and_the_host_work_is_in_the_fixed_cost():
     fake = CachedDrafter()
     fake.block_size = 4
-    cost = calibrate(fake, fake, context=8, sizes=(1, 2), repeats=3, stop_when_hopeless=False)
+    cost = calibrate(fake, fake, context=8, sizes=(1, 2), repeats=3, stop_when_hopeless=False, long_context=0)
     assert all(t > 0.007 for t in cost.draft_seconds), cost.draft_seconds  # cold, as in decoding: not 1 ms
     assert list(cost.draft_seconds) == sorted(cost.draft_seconds)  # a longer draft never costs less
     assert cost.fixed_seconds > cost.draft_seconds[-1]  # + the tree build and visibility, timed
+
+
+class ContextTarget(SleepyTarget):
+    """Verify passes that sleep 2 ms x n x (1 + context / 500): each committed token adds 4 us x n."""
+    def __call__(self, ids, positions, cache, vis, taps, last_only=False):
+        if not last_only:
+            self.sizes.append(len(ids))
+            time.sleep(0.002 * len(ids) * (1 + int(positions[0]) / 500))
+        return SimpleNamespace(taps=torch.zeros(len(ids), 4))
+
+
+def test_calibration_measures_what_each_token_of_context_adds():
+    """The sizes are timed again after long_context tokens: key_seconds is the difference per token, per size."""
+    fake = ContextTarget()
+    cost = calibrate(fake, fake, context=8, sizes=(1, 2, 4), repeats=3, stop_when_hopeless=False, long_context=1008)
+    assert cost.context == 8 and len(cost.key_seconds) == 3
+    for n, per_key in zip(cost.sizes, cost.key_seconds):
+        assert per_key == pytest.approx(4e-6 * n, rel=0.5), (n, cost.key_seconds)
+    assert calibrate(fake, fake, context=8, sizes=(1,), repeats=1, long_context=0).key_seconds == ()
+
+
+def test_a_longer_context_makes_verifies_dearer_and_trees_smaller():
+    """Beyond the calibration's context each token adds key_seconds(n) to a verify of n nodes; at the calibration's
+    context (or without key_seconds) the curve is as measured, and a long context picks a smaller tree."""
+    sizes, verify = (1, 2, 4, 8), (0.010, 0.011, 0.013, 0.017)
+    flat = CostModel(sizes, verify, 0.002, context=256)
+    steep = CostModel(sizes, verify, 0.002, context=256, key_seconds=(1e-6, 2e-6, 4e-6, 8e-6))
+    nodes = np.array([1, 3, 8, 12])
+    assert np.allclose(steep.step_seconds(nodes, context=100), flat.step_seconds(nodes))
+    assert np.allclose(steep.step_seconds(nodes), flat.step_seconds(nodes))
+    assert np.allclose(steep.step_seconds(nodes, context=1256) - flat.step_seconds(nodes),
+                       1000 * np.array([1e-6, 3e-6, 8e-6, 12e-6]))  # interpolated, and extrapolated past 8
+    assert steep.plain_seconds_at(2256) == pytest.approx(0.010 + 2000e-6) and steep.plain_seconds == 0.010
+    logp = np.log([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3])
+    short = choose_budget(logp, steep, context=256)
+    long = choose_budget(logp, steep, context=4256)
+    assert short == choose_budget(logp, flat) and long < short, (short, long)
+    with pytest.raises(ValueError, match="key_seconds"):
+        CostModel(sizes[:2], verify[:2], 0.002, key_seconds=(1e-6, 2e-6, 3e-6))
 
 
 def test_choose_budget_is_the_argmax_of_the_rate_curve():

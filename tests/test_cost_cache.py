@@ -35,7 +35,7 @@ def counted(monkeypatch):
 
     def fake(target, drafter, sizes, block_size):
         calls.append(sizes)
-        return CostModel(sizes[:3], (0.01, 0.011, 0.012), 0.002)
+        return CostModel(sizes[:3], (0.01, 0.011, 0.012), 0.002, context=256, key_seconds=(1e-6, 2e-6))
 
     monkeypatch.setattr(cost_cache, "calibrate", fake)
     return calls
@@ -53,7 +53,9 @@ def test_measured_once_then_read_from_disk(folder, counted, monkeypatch):
     assert stored["key"]["machine"] == cost_cache.machine_name("cpu")
     assert cost_cache.verify_costs(target, drafter, 8, 257) is cost  # this process: no file read
     monkeypatch.setattr(cost_cache, "_measured", {})  # a new process
-    assert cost_cache.verify_costs(target, drafter, 8, 257) == cost and len(counted) == 1
+    read = cost_cache.verify_costs(target, drafter, 8, 257)
+    assert read == cost and len(counted) == 1
+    assert read.context == 256 and read.key_seconds == (1e-6, 2e-6)  # the context model travels too
 
 
 def test_another_configuration_measures_again(folder, counted, monkeypatch):

@@ -29,38 +29,60 @@ from .tree import ancestor_matrix, chain_parents
 # every size up to 6 and some beyond: a CPU kernel's cost steps where its passes change shape (6 rows on AVX2, 13 with
 # AVX-512; qlinear.cpp), which interpolating between 4 and 8 nodes misread by up to 15%
 CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 32, 64, 128, 256, 512)
+# the verify passes are timed again after LONG_CONTEXT committed tokens, up to KEY_SIZES_MAX nodes (beyond, the
+# per-token cost is extrapolated): what a longer context adds to each size (CostModel.key_seconds)
+LONG_CONTEXT, KEY_SIZES_MAX = 1280, 64
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds per decoding step: fixed (draft, tree build, commit) + verify(n nodes), piecewise linear."""
+    """Seconds per decoding step: fixed (draft, tree build, commit) + verify(n nodes), piecewise linear, after
+    `context` committed tokens; with key_seconds, each committed token beyond that adds key_seconds(n) to a verify
+    (its keys are read and weighed by every row: on a CPU an extra row costs several times more at 2,000 tokens
+    than at 256, so a curve taken at one context over-values trees at long ones)."""
     sizes: tuple[int, ...]  # node counts measured, root included, increasing
     verify_seconds: tuple[float, ...]
     fixed_seconds: float  # with a draft of the whole block
     draft_seconds: tuple[float, ...] = ()  # the draft pass at lengths 2, 3, ..., block; () = not measured
+    context: int = 0  # committed tokens the verify times were measured after
+    key_seconds: tuple[float, ...] = ()  # per size (the first len(key_seconds) sizes): seconds per token of context
 
     def __post_init__(self):
         if len(self.sizes) != len(self.verify_seconds) or not self.sizes:
             raise ValueError("CostModel needs one verify time per size")
         if list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
+        if len(self.key_seconds) > len(self.sizes):
+            raise ValueError("CostModel needs at most one key_seconds per size")
         # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule)
-        object.__setattr__(self, "_table", self._verify(np.arange(self.sizes[-1] + 1)))
+        nodes = np.arange(self.sizes[-1] + 1)
+        object.__setattr__(self, "_table", self._verify(nodes))
+        keys = _piecewise(nodes, self.sizes[:len(self.key_seconds)], self.key_seconds) if self.key_seconds else None
+        object.__setattr__(self, "_key_table", keys)
 
     def _verify(self, nodes: np.ndarray) -> np.ndarray:
         """verify(n): piecewise linear through the measured sizes, with the last segment's slope beyond them."""
-        nodes = np.asarray(nodes, dtype=np.float64)
-        s, v = np.asarray(self.sizes, dtype=np.float64), np.asarray(self.verify_seconds)
-        out = np.interp(nodes, s, v)
-        if len(s) > 1:
-            slope = (v[-1] - v[-2]) / (s[-1] - s[-2])
-            out = np.where(nodes > s[-1], v[-1] + slope * (nodes - s[-1]), out)
-        return out
+        return _piecewise(nodes, self.sizes, self.verify_seconds)
+
+    def _beyond(self, nodes: np.ndarray, context: int | None) -> np.ndarray | float:
+        """What `context` committed tokens add to a verify of `nodes` over the measured curve (0 without a context
+        model, or at a context no longer than the calibration's)."""
+        if context is None or self._key_table is None or context <= self.context:
+            return 0.0
+        inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(self._key_table)
+        per_key = self._key_table[nodes] if inside else _piecewise(nodes, self.sizes[:len(self.key_seconds)],
+                                                                     self.key_seconds)
+        return (context - self.context) * per_key
 
     @property
     def plain_seconds(self) -> float:
         """A plain step's verify: one node."""
-        return float(self._table[1]) if len(self._table) > 1 else float(self._verify(np.array([1]))[0])
+        return self.plain_seconds_at(None)
+
+    def plain_seconds_at(self, context: int | None) -> float:
+        """A plain step's verify after `context` committed tokens (None: the calibration's context)."""
+        base = float(self._table[1]) if len(self._table) > 1 else float(self._verify(np.array([1]))[0])
+        return base + float(np.asarray(self._beyond(np.array([1]), context)).reshape(-1)[0])
 
     def fixed(self, length: int | None = None) -> float:
         """fixed_seconds for a draft of `length` positions (None: the whole block), scaled by the measured draft
@@ -70,24 +92,36 @@ class CostModel:
         i = min(max(length, 2), len(self.draft_seconds) + 1) - 2
         return self.fixed_seconds * self.draft_seconds[i] / self.draft_seconds[-1]
 
-    def step_seconds(self, nodes: np.ndarray, length: int | None = None) -> np.ndarray:
+    def step_seconds(self, nodes: np.ndarray, length: int | None = None, context: int | None = None) -> np.ndarray:
         """Seconds of a step verifying `nodes` nodes (root included) after a draft of `length` positions (None:
-        the whole block); linear beyond the last size."""
+        the whole block) with `context` tokens committed (None: the calibration's); linear beyond the last size."""
         nodes = np.asarray(nodes)
         inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(self._table)
-        return self.fixed(length) + (self._table[nodes] if inside else self._verify(nodes))
+        return self.fixed(length) + (self._table[nodes] if inside else self._verify(nodes)) + self._beyond(nodes, context)
+
+
+def _piecewise(nodes: np.ndarray, sizes, values) -> np.ndarray:
+    """values(n): piecewise linear through (sizes, values), with the last segment's slope beyond them."""
+    nodes = np.asarray(nodes, dtype=np.float64)
+    s, v = np.asarray(sizes, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    out = np.interp(nodes, s, v)
+    if len(s) > 1:
+        slope = (v[-1] - v[-2]) / (s[-1] - s[-2])
+        out = np.where(nodes > s[-1], v[-1] + slope * (nodes - s[-1]), out)
+    return out
 
 
 def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray | None = None,
-                  edge_scale: float = 1.0, length: int | None = None) -> int:
+                  edge_scale: float = 1.0, length: int | None = None, context: int | None = None) -> int:
     """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. With depths
     [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration).
-    length: the draft's positions (its cost is in every step; None: the whole block). One pass in Python floats
+    length: the draft's positions (its cost is in every step; None: the whole block); context: the committed
+    tokens (None: the calibration's). One pass in Python floats
     over the nodes (a handful on a CPU: numpy's per-call cost would be most of the step's host time)."""
     n = len(path_logprobs)
     if n == 0:
         raise ValueError("no draft nodes to choose from")
-    seconds = cost.step_seconds(np.arange(2, n + 2), length).tolist()  # a tree of b nodes: b + 1 rows with the root
+    seconds = cost.step_seconds(np.arange(2, n + 2), length, context).tolist()  # a tree of b nodes: b + 1 rows with the root
     p = np.exp(path_logprobs)
     if depths is not None and edge_scale != 1.0:
         p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
@@ -128,8 +162,8 @@ class DraftGate:
         """A new prompt: explore soon (what held for the last prompt may not hold here); the estimate stays."""
         self.skipped, self.interval = 0, self.explore_every
 
-    def draft_now(self, cost: CostModel) -> bool:
-        ar_rate = 1.0 / cost.plain_seconds
+    def draft_now(self, cost: CostModel, context: int | None = None) -> bool:
+        ar_rate = 1.0 / cost.plain_seconds_at(context)
         self.exploring = False
         if self.rate is None or self.rate + self.confidence * self.stderr() >= ar_rate:
             self.skipped, self.interval = 0, self.explore_every
@@ -217,7 +251,8 @@ class EdgeCalibration:
 
 @torch.inference_mode()
 def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repeats: int = 5,
-              block_size: int | None = None, stop_when_hopeless: bool = True) -> CostModel:
+              block_size: int | None = None, stop_when_hopeless: bool = True,
+              long_context: int = LONG_CONTEXT) -> CostModel:
     """Time the target's verify pass for each tree size (a chain: on these sizes the mask shape barely matters)
     after `context` committed tokens, and the drafter's pass at each length as decoding meets it: right after a
     target pass (whose weights have evicted the drafter's from the caches) and with a step's accepted tokens'
@@ -225,15 +260,18 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     The step's host work (tree build, visibility, walk, commit) is timed on a draft's own log-probs.
     With stop_when_hopeless, sizes stop after the first whose step costs more than `block` plain steps: such a
     step loses to plain decoding even when the whole block is accepted, so no larger tree is worth timing (on
-    a 2-core AVX2 CPU this skips the 128..512-node passes, seconds each)."""
+    a 2-core AVX2 CPU this skips the 128..512-node passes, seconds each).
+    Then the sizes up to KEY_SIZES_MAX are timed again after `long_context` committed tokens (where the target's
+    context allows): the difference per token is the curve's key_seconds (CostModel)."""
     cfg, device = target.cfg, target.device
     limit = cfg.max_position_embeddings
     sizes = tuple(n for n in sizes if n < limit) or (1,)
     context = max(1, min(context, limit - max(sizes)))
+    long_context = min(long_context, limit - max(sizes))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (context + max(sizes),), generator=gen).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (max(context, long_context) + max(sizes),), generator=gen).to(device)
     taps = tuple(drafter.cfg.target_layer_ids)
-    cache = target.new_cache(context + max(sizes))
+    cache = target.new_cache(max(context, long_context) + max(sizes))
     out = target(ids[:context], torch.arange(context, device=device), cache, Visibility.causal(0, context, device),
                  taps, last_only=True)
     cache.commit(context)
@@ -288,7 +326,37 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     verify = medians[block - 1:]
     fixed = drafts[-1] + host
     verify = tuple(float(t) for t in np.maximum.accumulate(verify))  # more nodes never cost less: noise does
-    return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts)
+    keys = _key_seconds(target, ids, cache, taps, context, long_context,
+                        [n for n in sizes[:len(verify)] if n <= KEY_SIZES_MAX], verify, repeats, once)
+    return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts, context, keys)
+
+
+def _key_seconds(target, ids, cache, taps, context: int, long_context: int, sizes, verify, repeats: int,
+                 once) -> tuple[float, ...]:
+    """Per size, the seconds each committed token beyond `context` adds to a verify: the sizes timed again after
+    `long_context` tokens (the cache filled up to there), as calibrate times them. () where the target's context
+    leaves no room for it."""
+    if long_context <= context or not sizes:
+        return ()
+    device = ids.device
+    n = long_context - context
+    target(ids[context:long_context], torch.arange(context, long_context, device=device), cache,
+           Visibility.causal(context, n, device), taps, last_only=True)
+    cache.commit(n)
+    passes = []
+    for size in sizes:
+        parents, depths = chain_parents(size)
+        anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if size > 1 else None
+        vis, pos = Visibility(long_context, anc), torch.arange(long_context, long_context + size, device=device)
+        passes.append(lambda size=size, vis=vis, pos=pos: once(
+            lambda: target(ids[long_context:long_context + size], pos, cache, vis, taps)))
+    for fn in passes:  # warm-up
+        fn()
+    medians = np.median(np.asarray([[fn() for fn in passes] for _ in range(repeats)]), axis=0)
+    medians = np.maximum.accumulate(medians)
+    # never below 0 (noise), never falling with the tree's size
+    per_key = np.maximum.accumulate(np.maximum(0.0, (medians - np.asarray(verify[:len(sizes)])) / n))
+    return tuple(float(x) for x in per_key)
 
 
 def _host_step(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, budget: int):

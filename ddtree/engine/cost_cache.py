@@ -7,7 +7,7 @@ That key is stored in the file beside the curve:
 
     $DDTREE_CACHE/verify-costs/<sha1 of the key>.json
         {"key": {...}, "sizes": [1, 2, ...], "verify_seconds": [...], "fixed_seconds": 0.0083,
-         "draft_seconds": [...]}
+         "draft_seconds": [...], "context": 256, "key_seconds": [...]}
 
 The file also carries the SHA-256 of its content (ddtree/base/cache.py). A file that does not parse, fails its checksum,
 holds times that are not positive and finite (the adaptive budget divides by them), or whose key differs is
@@ -31,7 +31,7 @@ from ..base.machine_load import LoadMeter
 
 # a curve measured while other processes used more cores than this is not stored (the benchmark flags such runs too)
 BUSY_CORES = 0.25
-FORMAT = 11  # bump when calibrate() measures differently or the passes change: older files then miss
+FORMAT = 12  # bump when calibrate() measures differently or the passes change: older files then miss
 # 2: the C++ decoder layers (ddtree/runtime/cpu/stack.py) made CPU passes faster, and not by one factor
 # 3: the float32 row kernel prefetches over all its sweeps, the stack's attention and packed weights: CPU verify
 #    passes of 2-9 rows got cheaper against a 1-row step
@@ -42,6 +42,7 @@ FORMAT = 11  # bump when calibrate() measures differently or the passes change: 
 #     stopped at 1-2 nodes on a GPU)
 # 11: drafts timed after a target pass with a step's context to flush (as decoding meets them: 2x the warm
 #     time on a CPU), the host work timed, not a tenth of the draft
+# 12: the calibration's context and the seconds each further committed token adds per size (key_seconds)
 _measured: dict[str, CostModel] = {}  # this process's curves, by digest
 
 
@@ -120,13 +121,16 @@ def read_costs(path: Path, key: dict) -> CostModel | None:
         return _damaged(path, "its checksum does not match its content")
     try:
         cost = CostModel(tuple(int(n) for n in data["sizes"]), tuple(float(x) for x in data["verify_seconds"]),
-                         float(data["fixed_seconds"]), tuple(float(x) for x in data["draft_seconds"]))
+                         float(data["fixed_seconds"]), tuple(float(x) for x in data["draft_seconds"]),
+                         int(data["context"]), tuple(float(x) for x in data["key_seconds"]))
     except (KeyError, TypeError, ValueError) as e:
         return _damaged(path, f"not a cost curve: {e}")
     times = cost.verify_seconds + cost.draft_seconds
     if not all(math.isfinite(t) and t > 0 for t in times) or not (math.isfinite(cost.fixed_seconds)
                                                                   and cost.fixed_seconds >= 0):
         return _damaged(path, "a time that is not positive and finite")
+    if cost.context < 0 or not all(math.isfinite(t) and t >= 0 for t in cost.key_seconds):
+        return _damaged(path, "a context or per-token time that is negative or not finite")
     return cost
 
 
@@ -137,7 +141,8 @@ def _damaged(path: Path, problem: str) -> None:
 
 def write_costs(path: Path, key: dict, cost: CostModel) -> None:
     data = dict(key=key, sizes=list(cost.sizes), verify_seconds=list(cost.verify_seconds),
-                fixed_seconds=cost.fixed_seconds, draft_seconds=list(cost.draft_seconds))
+                fixed_seconds=cost.fixed_seconds, draft_seconds=list(cost.draft_seconds), context=cost.context,
+                key_seconds=list(cost.key_seconds))
     data["sha256"] = digest_json(data)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -148,7 +148,7 @@ class DDTree(Method):
         with timer("tree_build"):
             parents, depths, ids, scores = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
                                                           self.heap_size(room))
-            b = self.keep(scores, depths[1:])  # pop order: any prefix is a tree
+            b = self.keep(scores, depths[1:], dcache.length)  # pop order: any prefix is a tree
             ids = ids[:b]  # [b] in the draft vocabulary
             return DraftTree(ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1],
                              draft_logits=logits, draft_ids=ids)
@@ -157,8 +157,9 @@ class DDTree(Method):
         """How many best-first nodes to pop this step (keep() verifies a prefix of them): the budget, in the room."""
         return min(self.budget, room - 1)
 
-    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray) -> int:
-        """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify: all of them."""
+    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray, context: int) -> int:
+        """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify after `context`
+        committed tokens: all of them."""
         return len(path_logprobs)
 
 
@@ -185,6 +186,7 @@ class AdaptiveDDTree(DDTree):
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the nodes verified in the current step
+        self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
         self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, recent, draft length)
         self._regime = SamplingParams()  # greedy until prepare() says otherwise
         self.calibration, self.gate, self._recent, self.block_size = self._fresh()
@@ -212,14 +214,15 @@ class AdaptiveDDTree(DDTree):
         self.gate.restart()
 
     def wants_draft(self) -> bool:
-        return self.gate.draft_now(self.cost)
+        return self.gate.draft_now(self.cost, self._context)
 
     def heap_size(self, room: int) -> int:
         largest = max((nodes for _, nodes in self._recent), default=self.budget)
         return min(self.budget, room - 1, max(self.HEAP_MIN, 2 * largest))
 
-    def keep(self, path_logprobs, depths):
-        b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c, self.block_size)
+    def keep(self, path_logprobs, depths, context):
+        self._context = context  # the drafter's committed context: the target's, less a step's pending tokens
+        b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c, self.block_size, context)
         self._last = (path_logprobs[:b], depths[:b])
         return b
 
@@ -228,7 +231,8 @@ class AdaptiveDDTree(DDTree):
             return
         logp, depths = self._last
         self.calibration.update(logp, depths, accepted)
-        self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]), self.block_size)[0]))
+        self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]), self.block_size,
+                                                                    self._context)[0]))
         self._recent.append((int(depths.max()), len(logp)))
         self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
         self._last = None
