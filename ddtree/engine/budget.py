@@ -69,9 +69,7 @@ class CostModel:
         model, or at a context no longer than the calibration's)."""
         if context is None or self._key_table is None or context <= self.context:
             return 0.0
-        inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(self._key_table)
-        per_key = self._key_table[nodes] if inside else _piecewise(nodes, self.sizes[:len(self.key_seconds)],
-                                                                     self.key_seconds)
+        per_key = _lookup(self._key_table, nodes, self.sizes[:len(self.key_seconds)], self.key_seconds)
         return (context - self.context) * per_key
 
     @property
@@ -96,8 +94,14 @@ class CostModel:
         """Seconds of a step verifying `nodes` nodes (root included) after a draft of `length` positions (None:
         the whole block) with `context` tokens committed (None: the calibration's); linear beyond the last size."""
         nodes = np.asarray(nodes)
-        inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(self._table)
-        return self.fixed(length) + (self._table[nodes] if inside else self._verify(nodes)) + self._beyond(nodes, context)
+        verify = _lookup(self._table, nodes, self.sizes, self.verify_seconds)
+        return self.fixed(length) + verify + self._beyond(nodes, context)
+
+
+def _lookup(table: np.ndarray, nodes: np.ndarray, sizes, values) -> np.ndarray:
+    """_piecewise(nodes, sizes, values), read from `table` (its values at 0, 1, ...) where every node count is in it."""
+    inside = nodes.dtype.kind in "iu" and nodes.size and nodes.min() >= 0 and nodes.max() < len(table)
+    return table[nodes] if inside else _piecewise(nodes, sizes, values)
 
 
 def _piecewise(nodes: np.ndarray, sizes, values) -> np.ndarray:
@@ -307,11 +311,7 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     host = float(np.median([once(host_step) for _ in range(repeats)])) * 1.1
     fixed = passes[-1]() + host
     for n in sizes:  # a first (warm-up) round, which also finds the sizes worth timing
-        parents, depths = chain_parents(n)
-        anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if n > 1 else None
-        vis, pos = Visibility(context, anc), torch.arange(context, context + n, device=device)
-        passes.append(lambda n=n, vis=vis, pos=pos: once(lambda: target(ids[context:context + n], pos, cache, vis,
-                                                                        taps)))
+        passes.append(_timed_chain(target, ids, cache, taps, context, n, once))
         passes[-1]()  # a first call may set up (a GPU runtime captures its graphs, Triton compiles): untimed
         seconds = passes[-1]()
         if n == sizes[0]:
@@ -331,6 +331,16 @@ def calibrate(target, drafter, context: int = 256, sizes=CALIBRATION_SIZES, repe
     return CostModel(sizes[:len(verify)], tuple(verify), fixed, drafts, context, keys)
 
 
+def _timed_chain(target, ids, cache, taps, past: int, n: int, once):
+    """A function timing (with `once`) the target's verify of an n-node chain of ids[past:past + n] after `past`
+    committed tokens of `cache` (not committed: every call writes the same rows)."""
+    device = ids.device
+    parents, depths = chain_parents(n)
+    anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if n > 1 else None
+    vis, pos = Visibility(past, anc), torch.arange(past, past + n, device=device)
+    return lambda: once(lambda: target(ids[past:past + n], pos, cache, vis, taps))
+
+
 def _key_seconds(target, ids, cache, taps, context: int, long_context: int, sizes, verify, repeats: int,
                  once) -> tuple[float, ...]:
     """Per size, the seconds each committed token beyond `context` adds to a verify: the sizes timed again after
@@ -343,13 +353,7 @@ def _key_seconds(target, ids, cache, taps, context: int, long_context: int, size
     target(ids[context:long_context], torch.arange(context, long_context, device=device), cache,
            Visibility.causal(context, n, device), taps, last_only=True)
     cache.commit(n)
-    passes = []
-    for size in sizes:
-        parents, depths = chain_parents(size)
-        anc = torch.from_numpy(ancestor_matrix(parents, depths)).to(device) if size > 1 else None
-        vis, pos = Visibility(long_context, anc), torch.arange(long_context, long_context + size, device=device)
-        passes.append(lambda size=size, vis=vis, pos=pos: once(
-            lambda: target(ids[long_context:long_context + size], pos, cache, vis, taps)))
+    passes = [_timed_chain(target, ids, cache, taps, long_context, size, once) for size in sizes]
     for fn in passes:  # warm-up
         fn()
     medians = np.median(np.asarray([[fn() for fn in passes] for _ in range(repeats)]), axis=0)
