@@ -515,32 +515,29 @@ class Stack {
       A[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(oa + 16 * c);
       B[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ob + 16 * c);
     }
-    int64_t j = b;
-    for (const int64_t end = std::min(e, past); j < end; ++j) {  // past keys: never masked, no weight is 0
-      const __m512 xv = _mm512_set1_ps(wa[j]), yv = _mm512_set1_ps(wb[j]);
-      const float* v = V + j * D;
+    auto add = [&](__m512 (&acc)[C], float w, const float* v) {  // acc += w v, 16 columns a vector
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    };
+    auto add_both = [&](float x, float y, const float* v) {  // each value vector loaded once for both queries
+      const __m512 xv = _mm512_set1_ps(x), yv = _mm512_set1_ps(y);
       for (int c = 0; c < C; ++c) {
         const __m512 vv = _mm512_loadu_ps(v + 16 * c);
         A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
         B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
       }
-    }
+    };
+    int64_t j = b;
+    for (const int64_t end = std::min(e, past); j < end; ++j)  // past keys: never masked, no weight is 0
+      add_both(wa[j], wb[j], V + j * D);
     for (; j < e; ++j) {
       const float x = wa[j], y = wb[j];
-      const float* v = V + j * D;
       if (x != 0.f && y != 0.f) {
-        const __m512 xv = _mm512_set1_ps(x), yv = _mm512_set1_ps(y);
-        for (int c = 0; c < C; ++c) {
-          const __m512 vv = _mm512_loadu_ps(v + 16 * c);
-          A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
-          B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
-        }
+        add_both(x, y, V + j * D);
       } else if (x != 0.f) {
-        const __m512 xv = _mm512_set1_ps(x);
-        for (int c = 0; c < C; ++c) A[c] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(v + 16 * c), A[c]);
+        add(A, x, V + j * D);
       } else if (y != 0.f) {
-        const __m512 yv = _mm512_set1_ps(y);
-        for (int c = 0; c < C; ++c) B[c] = _mm512_fmadd_ps(yv, _mm512_loadu_ps(v + 16 * c), B[c]);
+        add(B, y, V + j * D);
       }
     }
     for (int c = 0; c < C; ++c) {
@@ -623,18 +620,15 @@ class Stack {
                             float* o) {
     __m256 acc[C];
     for (int c = 0; c < C; ++c) acc[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
+    auto add = [&](int64_t j) {  // acc += w[j] V[j]
+      const __m256 wv = _mm256_set1_ps(w[j]);
+      const float* v = V + j * D;
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    };
     int64_t j = b;
-    for (const int64_t end = std::min(e, past); j < end; ++j) {  // past keys: never masked, no weight is 0
-      const __m256 wv = _mm256_set1_ps(w[j]);
-      const float* v = V + j * D;
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
-    }
-    for (; j < e; ++j) {
-      if (w[j] == 0.f) continue;
-      const __m256 wv = _mm256_set1_ps(w[j]);
-      const float* v = V + j * D;
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
-    }
+    for (const int64_t end = std::min(e, past); j < end; ++j) add(j);  // past keys: never masked, no weight is 0
+    for (; j < e; ++j)
+      if (w[j] != 0.f) add(j);
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
   }
 
