@@ -69,7 +69,7 @@ def _content_key(path: str, stamp: tuple) -> str:
 
 
 def content_key(path) -> str:
-    """SHA-256 of a source file's bytes (~0.06 s per 100 MB), computed once per process and file version: what
+    """SHA-256 of a source file's bytes, computed once per process and file version (it reads the whole file): what
     keys a cache entry derived from the file, so that the same file in another place (another virtual
     environment's copy of a wheel) finds the entry instead of adding one."""
     stamp = stat_stamp(path)
