@@ -336,3 +336,31 @@ def test_choose_budget_is_the_argmax_of_the_rate_curve():
         p = np.exp(logp) * c ** depths
         rate = (1.0 + np.cumsum(p)) / cost.step_seconds(np.arange(2, n + 2), length)
         assert choose_budget(logp, cost, depths, c, length) == int(np.argmax(rate)) + 1
+
+
+def test_tree_step_seconds_are_step_seconds_as_floats():
+    """The per-step rule's lists (no numpy) hold step_seconds' values, inside the measured curve and past it."""
+    cost = CostModel((1, 2, 4, 8), (0.010, 0.011, 0.013, 0.017), 0.002, (0.001, 0.0015), context=256,
+                     key_seconds=(1e-6, 2e-6, 4e-6))
+    for count in (0, 1, 3, 6, 7, 12):
+        for length in (None, 2, 3):
+            for context in (None, 100, 256, 1256):
+                listed = cost.tree_step_seconds(count, length, context)
+                assert all(type(x) is float for x in listed)
+                assert listed == cost.step_seconds(np.arange(1, count + 2), length, context).tolist()
+    assert cost.plain_seconds_at(1256) == pytest.approx(0.010 + 1000e-6)
+
+
+def test_edge_calibration_solves_its_equation():
+    """c is the root of sum_d P_d c**d = A inside [0.01, 1], or the bound where the root lies outside."""
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        cal = EdgeCalibration(c=float(rng.uniform(0.01, 1.0)))  # Newton starts from the last c
+        cal.by_depth = [0.0] + (rng.random(int(rng.integers(1, 9))) * rng.random() * 5).tolist()
+        cal.accepted = float(rng.random() * 4)
+        c = cal._solve()
+        excess = np.polyval(cal.by_depth[::-1], c) - cal.accepted
+        if 0.01 < c < 1.0:
+            assert abs(excess) < 1e-6 * max(1.0, sum(cal.by_depth)), (c, excess)
+        else:
+            assert (c == 1.0 and excess <= 0) or (c == 0.01 and excess >= 0), (c, excess)

@@ -16,6 +16,7 @@ drafted steps are slower than plain ones.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -54,11 +55,14 @@ class CostModel:
             raise ValueError(f"CostModel sizes must be strictly increasing, got {self.sizes}")
         if len(self.key_seconds) > len(self.sizes):
             raise ValueError("CostModel needs at most one key_seconds per size")
-        # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule)
+        # verify(n) for n = 0 .. the last size, read by index each step (interpolating costs more than the rule);
+        # also as Python lists, for the per-step rule (_verify_upto)
         nodes = np.arange(self.sizes[-1] + 1)
         object.__setattr__(self, "_table", self._verify(nodes))
         keys = _piecewise(nodes, self.sizes[:len(self.key_seconds)], self.key_seconds) if self.key_seconds else None
         object.__setattr__(self, "_key_table", keys)
+        object.__setattr__(self, "_verify_list", self._table.tolist())
+        object.__setattr__(self, "_key_list", None if keys is None else keys.tolist())
 
     def _verify(self, nodes: np.ndarray) -> np.ndarray:
         """verify(n): piecewise linear through the measured sizes, with the last segment's slope beyond them."""
@@ -79,8 +83,25 @@ class CostModel:
 
     def plain_seconds_at(self, context: int | None) -> float:
         """A plain step's verify after `context` committed tokens (None: the calibration's context)."""
-        base = float(self._table[1]) if len(self._table) > 1 else float(self._verify(np.array([1]))[0])
-        return base + float(np.asarray(self._beyond(np.array([1]), context)).reshape(-1)[0])
+        return self._seconds_upto(1, 0.0, context)[0]
+
+    def tree_step_seconds(self, count: int, length: int | None = None, context: int | None = None) -> list[float]:
+        """step_seconds of trees of 0, 1, ..., count draft nodes (1 .. count + 1 nodes with the root), as Python
+        floats: what the adaptive rule reads every step."""
+        return self._seconds_upto(count + 1, self.fixed(length), context)
+
+    def _seconds_upto(self, last: int, fixed: float, context: int | None) -> list[float]:
+        """fixed + verify(n) + what `context` adds, for n = 1 .. last, in step_seconds' order of sums; without numpy
+        where the measured curve covers them (numpy's per-call cost, larger right after a target pass has evicted its
+        code from the caches, would be most of the rule's time)."""
+        if last >= len(self._verify_list):
+            nodes = np.arange(1, last + 1)
+            return (fixed + self._verify(nodes) + self._beyond(nodes, context)).tolist()
+        verify = self._verify_list[1:last + 1]
+        if self._key_list is None or context is None or context <= self.context:
+            return [fixed + v for v in verify]
+        extra = context - self.context
+        return [fixed + v + extra * k for v, k in zip(verify, self._key_list[1:last + 1])]
 
     def fixed(self, length: int | None = None) -> float:
         """fixed_seconds for a draft of `length` positions (None: the whole block), scaled by the measured draft
@@ -115,27 +136,33 @@ def _piecewise(nodes: np.ndarray, sizes, values) -> np.ndarray:
     return out
 
 
-def choose_budget(path_logprobs: np.ndarray, cost: CostModel, depths: np.ndarray | None = None,
-                  edge_scale: float = 1.0, length: int | None = None, context: int | None = None) -> int:
-    """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. With depths
-    [len] and edge_scale c, a node's acceptance probability is taken as p * c**depth (see EdgeCalibration).
-    length: the draft's positions (its cost is in every step; None: the whole block); context: the committed
-    tokens (None: the calibration's). One pass in Python floats
-    over the nodes (a handful on a CPU: numpy's per-call cost would be most of the step's host time)."""
+def choose_budget(path_logprobs, cost: CostModel, depths=None, edge_scale: float = 1.0, length: int | None = None,
+                  context: int | None = None) -> int:
+    """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. path_logprobs
+    [n] and depths [n] (numpy arrays or lists): with depths and edge_scale c, a node's acceptance probability is
+    taken as p * c**depth (see EdgeCalibration). length: the draft's positions (its cost is in every step; None:
+    the whole block); context: the committed tokens (None: the calibration's). One pass in Python floats over the
+    nodes (a handful on a CPU: numpy's per-call cost would be most of the step's host time)."""
     n = len(path_logprobs)
     if n == 0:
         raise ValueError("no draft nodes to choose from")
-    seconds = cost.step_seconds(np.arange(2, n + 2), length, context).tolist()  # a tree of b nodes: b + 1 rows with the root
-    p = np.exp(path_logprobs)
-    if depths is not None and edge_scale != 1.0:
-        p = p * edge_scale ** np.asarray(depths, dtype=np.float64)
+    seconds = cost.tree_step_seconds(n, length, context)  # [n + 1]: a tree of b nodes is b + 1 rows with the root
+    logp, scaled = _as_list(path_logprobs), depths is not None and edge_scale != 1.0
+    depth_list = _as_list(depths) if scaled else None
+    powers = [edge_scale ** d for d in range(max(depth_list) + 1)] if scaled else None
     expected, best, best_rate = 1.0, 1, -1.0
-    for b, (pb, step) in enumerate(zip(p.tolist(), seconds), start=1):
-        expected += pb
-        rate = expected / step
+    for b in range(1, n + 1):
+        p = math.exp(logp[b - 1])
+        expected += p * powers[depth_list[b - 1]] if scaled else p
+        rate = expected / seconds[b]
         if rate > best_rate:
             best, best_rate = b, rate
     return best
+
+
+def _as_list(values) -> list:
+    """A numpy array or a sequence as a list of Python numbers (what the per-step rules loop over)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 @dataclass
@@ -193,9 +220,6 @@ class DraftGate:
         self.rate = (1 - a) * self.rate + a * r
 
 
-DEPTHS = 17  # EdgeCalibration's depth slots to start with (a block of 16 positions; more are added when needed)
-
-
 @dataclass
 class EdgeCalibration:
     """How far to trust the drafter's probabilities, learned online: each tree edge's probability is scaled by
@@ -207,50 +231,61 @@ class EdgeCalibration:
     Ratios of sums, not an average of per-step ratios: one step's accepted count is 0 or a few tokens whatever
     its prediction, and averaging the logs of such ratios drags c well below a calibrated drafter's 1. It starts
     with `prior` tokens' worth of full trust (as many depth-1 nodes of probability 1, accepted), which the
-    evidence outweighs within a few steps."""
+    evidence outweighs within a few steps. Python floats throughout: a step updates a few depths, where numpy's
+    per-call cost would be most of the update's time."""
     c: float = 1.0
     decay: float = 0.98
     prior: float = 2.0
     accepted: float = field(init=False)  # A
-    by_depth: np.ndarray = field(init=False)  # P_d [DEPTHS or more], index d (depth 0 unused)
+    by_depth: list[float] = field(init=False)  # P_d, index d (depth 0 unused), as deep as the deepest tree seen
 
     def __post_init__(self):
-        self.accepted, self.by_depth = self.prior, np.zeros(DEPTHS)
-        self.by_depth[1] = self.prior
+        self.accepted, self.by_depth = self.prior, [0.0, self.prior]
 
     def predicted(self, path_logprobs: np.ndarray, depths: np.ndarray) -> float:
         return float(np.sum(np.exp(path_logprobs) * self.c ** np.asarray(depths, dtype=np.float64)))
 
     def update(self, path_logprobs: np.ndarray, depths: np.ndarray, accepted: int) -> None:
         """accepted: draft tokens the target accepted this step (bonus excluded)."""
-        depths = np.asarray(depths, dtype=np.int64)
-        size = max(len(self.by_depth), int(depths.max()) + 1)
-        if size > len(self.by_depth):  # a deeper tree than any before (rare: a block past DEPTHS positions)
-            self.by_depth = np.concatenate([self.by_depth, np.zeros(size - len(self.by_depth))])
-        self.by_depth *= self.decay
-        self.by_depth += np.bincount(depths, weights=np.exp(path_logprobs), minlength=size)
-        self.accepted = self.decay * self.accepted + accepted
+        depths, logp = _as_list(depths), _as_list(path_logprobs)
+        decay = self.decay
+        by_depth = [decay * p for p in self.by_depth] + [0.0] * (max(depths) + 1 - len(self.by_depth))
+        for lp, d in zip(logp, depths):
+            by_depth[d] += math.exp(lp)
+        self.by_depth = by_depth
+        self.accepted = decay * self.accepted + accepted
         self.c = self._solve()
 
     def _solve(self, lo: float = 0.01, hi: float = 1.0) -> float:
         """The c in [lo, hi] with sum_d P_d c**d = A (the bound where none is inside): predicted mass rises with c.
-        Bisection in Python floats (a step's host time: ~20 us), to 1e-4 of the interval."""
-        coefficients, target = self.by_depth.tolist()[::-1], self.accepted
+        Newton's method from the last c, kept inside the bracket by bisection, to 1e-7 (a few passes over the
+        depths: c moves little from one step to the next)."""
+        coefficients, target = self.by_depth[::-1], self.accepted
 
-        def excess(c: float) -> float:
-            total = 0.0
-            for p in coefficients:  # Horner: sum_d P_d c**d
+        def excess(c: float) -> tuple[float, float]:
+            total = slope = 0.0
+            for p in coefficients:  # Horner: sum_d P_d c**d and its derivative
+                slope = slope * c + total
                 total = total * c + p
-            return total - target
+            return total - target, slope
 
-        if excess(hi) <= 0:
+        if excess(hi)[0] <= 0:
             return hi
-        if excess(lo) >= 0:
+        if excess(lo)[0] >= 0:
             return lo
-        for _ in range(14):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
-        return 0.5 * (lo + hi)
+        c = min(max(self.c, lo), hi)
+        for _ in range(60):
+            f, slope = excess(c)
+            if f == 0.0:
+                return c
+            lo, hi = (c, hi) if f < 0 else (lo, c)
+            step = c - f / slope if slope > 0 else lo - 1.0
+            if not lo < step < hi:
+                step = 0.5 * (lo + hi)  # Newton left the bracket: bisect
+            if abs(step - c) < 1e-7:
+                return step
+            c = step
+        return c
 
 
 @torch.inference_mode()

@@ -222,8 +222,9 @@ class AdaptiveDDTree(DDTree):
 
     def keep(self, path_logprobs, depths, context):
         self._context = context  # the drafter's committed context: the target's, less a step's pending tokens
-        b = choose_budget(path_logprobs, self.cost, depths, self.calibration.c, self.block_size, context)
-        self._last = (path_logprobs[:b], depths[:b])
+        logp, depths = path_logprobs.tolist(), depths.tolist()  # Python floats: the rules read a handful each
+        b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context)
+        self._last = (logp[:b], depths[:b])
         return b
 
     def observe(self, accepted: int) -> None:
@@ -231,9 +232,8 @@ class AdaptiveDDTree(DDTree):
             return
         logp, depths = self._last
         self.calibration.update(logp, depths, accepted)
-        self.gate.update(accepted + 1, float(self.cost.step_seconds(np.array([len(logp) + 1]), self.block_size,
-                                                                    self._context)[0]))
-        self._recent.append((int(depths.max()), len(logp)))
+        self.gate.update(accepted + 1, self.cost.tree_step_seconds(len(logp), self.block_size, self._context)[-1])
+        self._recent.append((int(max(depths)), len(logp)))
         self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
         self._last = None
 
