@@ -30,6 +30,7 @@ from .traces import step_record
 from .tree import DraftTree, chain_parents, walk_drawn
 
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
+LONE_ROOT = chain_parents(1)  # a plain step's parents and depths, built once (nothing writes into a tree's arrays)
 
 
 class Method:
@@ -67,7 +68,7 @@ class Method:
         the `room` left, or the method declines."""
         length = min(self.block_size or 1, room)
         if length < 2 or not self.wants_draft():
-            return DraftTree(bonus, *chain_parents(1))
+            return DraftTree(bonus, *LONE_ROOT)
         return self.draft(drafter, ops, dcache, bonus, length, room, timer)
 
     def wants_draft(self) -> bool:
@@ -372,7 +373,8 @@ class Decoder:
             if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
                 break
             start = tcache.length
-            tree = method.propose(drafter, self.ops, dcache, torch.tensor(tokens[-1:], device=device), tcache.room,
+            tree = method.propose(drafter, self.ops, dcache, torch.full((1,), tokens[-1], dtype=torch.long, device=device),
+                                  tcache.room,
                                   timer)
             with timer("tree_compile"):
                 ancestors, positions = self.compile(tree, start)
