@@ -115,7 +115,13 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
     for cell, ax in panels.items():
         cell_rows = [r for r in rows if cell_of(r) == cell]
         specs = {r["method"]: MethodSpec.parse(r["method"]) for r in cell_rows}
-        tree = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)), key=lambda r: r["budget"])
+        lookup = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)
+                         and specs[r["method"]].lookup), key=lambda r: r["budget"])
+        if lookup:  # ddtree:N+lookup: its own curve beside DDTree's
+            ax.errorbar([r["budget"] for r in lookup], [r[key] for r in lookup], yerr=_error_bars(lookup, key),
+                        fmt="D-", color="#9467bd", lw=2, capsize=3, ms=5, label="DDTree + context lookup")
+        tree = sorted((r for r in cell_rows if isinstance(specs[r["method"]].budget, int)
+                       and not specs[r["method"]].lookup), key=lambda r: r["budget"])
         if tree:
             budgets = [r["budget"] for r in tree]
             ax.errorbar(budgets, [r[key] for r in tree], yerr=_error_bars(tree, key), fmt="o-", color="#dd8452",
@@ -130,6 +136,8 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
                             xytext=(0, 7), ha="center", fontsize=8, color=FLAG_COLOR if r.get("flagged") else "black")
             if any(r.get("flagged") for r in tree):
                 ax.plot([], [], "o", ms=10, mfc="none", mec=FLAG_COLOR, mew=2, label="† flagged (busy or spread)")
+        if tree or lookup:
+            budgets = sorted({r["budget"] for r in tree + lookup})
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.minorticks_off()
@@ -143,9 +151,11 @@ def budget_curve(rows, cells, key: str, ylabel: str, title: str, ar_value: float
                            label=f"{name} ({r[key]:.2f}{_flag(r)})")
             if r["budget"] == "auto":  # adaptive: a line at its value, a star at its mean chosen budget
                 chosen = max(1.0, r.get("mean_nodes", 2.0) - 1)
-                ax.axhline(r[key], color="#55a868", ls="-.", lw=1.5,
-                           label=f"DDTree auto ({r[key]:.2f}{_flag(r)}, mean budget {chosen:.0f})")
-                ax.plot([chosen], [r[key]], "*", color="#55a868", ms=13)
+                color = "#17becf" if spec.lookup else "#55a868"
+                ax.axhline(r[key], color=color, ls="-.", lw=1.5,
+                           label=f"DDTree auto{' + lookup' if spec.lookup else ''} ({r[key]:.2f}{_flag(r)}, "
+                                 f"mean budget {chosen:.0f})")
+                ax.plot([chosen], [r[key]], "*", color=color, ms=13)
         if ar_value is not None:
             ax.axhline(ar_value, color="black", ls=":", lw=1.2, label=f"AR ({ar_value:g})")
         ax.set_xlabel("DDTree budget (draft nodes per step, log scale)")
@@ -174,8 +184,8 @@ def acceptance_hist(records, specs, cells, title: str):
             xs = list(range(1, longest + 1))
             fractions = [lengths.count(x) / len(lengths) for x in xs]
             ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], fractions, width=width, color=color,
-                   label=f"{spec.info.display}{f' {spec.budget}' if spec.budget else ''} "
-                         f"(tau {sum(lengths) / len(lengths):.2f})")
+                   label=f"{spec.info.display}{f' {spec.budget}' if spec.budget else ''}"
+                         f"{' + lookup' if spec.lookup else ''} (tau {sum(lengths) / len(lengths):.2f})")
         ax.set_xlabel("tokens accepted per verify step (bonus included)")
         ax.set_ylabel("fraction of steps")
         ax.set_xticks(range(1, longest + 1, max(1, longest // 12)))

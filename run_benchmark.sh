@@ -2,7 +2,8 @@
 # The benchmark: installs what is missing (fast no-op on re-runs), then runs `python -m ddtree.bench.benchmark`.
 #
 #   bash run_benchmark.sh                 # quick default: 3 datasets x T=0,1 x 2 prompts x 64 tokens, ar + hf
-#                                         #   + dflash + ddtree at budgets 2/3/4/8 and auto, each run timed twice
+#                                         #   + dflash + ddtree at budgets 2/3/4/8 and auto (+ the context lookup
+#                                         #   at 2 and auto), each run timed twice
 #                                         #   (<= 10 min on 2 CPU cores; it prints its own estimate after the warm-up)
 #   bash run_benchmark.sh --full          # 20 prompts x 256 tokens, budgets 2..512 (hours on 2 CPU cores)
 #   bash run_benchmark.sh --traces        # also per-step tree traces (results/traces.jsonl) and their plots

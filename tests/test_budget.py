@@ -41,7 +41,7 @@ def test_adaptive_draft_length_follows_the_depth_of_kept_trees(pairs):
     lengths = []
     for depth in (1, 1, 1, 1, 1, 3, 1, 1, 1, 1, 7, 7):
         method._last = (np.log(np.full(depth, 0.9)), np.arange(1, depth + 1))  # as keep() leaves a chain of `depth`
-        method.observe(accepted=0)
+        method.observe([0], [])  # nothing accepted
         lengths.append(method.block_size)
     assert lengths == [3, 3, 3, 3, 3, 5, 5, 5, 5, 3, 8, 8]
     assert method.longest_draft() == 8  # what the stats report: the longest a draft may be

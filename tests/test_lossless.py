@@ -10,6 +10,7 @@ from ddtree.bench.testing import random_pair
 
 BLOCK = 8
 BUDGETS = [1, BLOCK - 1, 16, 64, 256, "auto"]
+LOOKUP_BUDGETS = [1, 16, "auto"]  # ddtree:N+lookup: a chain copied from the context grafted onto the tree
 N_PROMPTS = 20
 
 
@@ -34,7 +35,8 @@ def test_greedy_matches_ar(pairs, arch, drafter_kind):
         assert len(reference) == max_new and ref_stats.stop_reason == "max_new_tokens"
         if drafter_kind == "oracle":
             plant_oracle(drafter, prompt + reference + [0] * 300, seed=i)
-        for method, budget in [("dflash", None)] + [("ddtree", b) for b in BUDGETS]:
+        for method, budget in ([("dflash", None)] + [("ddtree", b) for b in BUDGETS]
+                               + [("ddtree+lookup", b) for b in LOOKUP_BUDGETS]):
             tokens, stats = run(target, drafter, prompt, method, budget=budget or 1, max_new_tokens=max_new)
             assert tokens == reference, f"{method}:{budget} diverged on prompt {i}"
             assert sum(stats.acceptance_lengths) >= len(tokens) - 1
@@ -54,7 +56,7 @@ def test_early_stop_tokens(pairs, arch):
         reference, stats = run(target, None, prompt, "ar", max_new_tokens=30, stop_ids=(stop,))
         assert reference[-1] == stop and stats.stop_reason == "eos" and stop not in reference[:-1]
         plant_oracle(drafter, prompt + full + [0] * 300, seed=i, top1=0.8)
-        for method, budget in [("dflash", 1), ("ddtree", 7), ("ddtree", 64)]:
+        for method, budget in [("dflash", 1), ("ddtree", 7), ("ddtree", 64), ("ddtree+lookup", 3)]:
             tokens, stats = run(target, drafter, prompt, method, budget, max_new_tokens=30, stop_ids=(stop,))
             assert tokens == reference and stats.stop_reason == "eos"
 
@@ -66,7 +68,8 @@ def test_context_limit_stops_cleanly():
     reference, stats = run(target, None, prompt, "ar", max_new_tokens=100)
     assert stats.stop_reason == "context_limit" and len(prompt) + len(reference) == 48 + 1
     plant_oracle(drafter, prompt + reference + [0] * 300, seed=1, top1=0.9)
-    for method, budget in [("dflash", 1), ("ddtree", 3), ("ddtree", 47)]:  # 47: the most a 48-position context allows
+    for method, budget in [("dflash", 1), ("ddtree", 3), ("ddtree", 47), ("ddtree+lookup", 3), ("ddtree+lookup", 47)]:
+        # 47: the most a 48-position context allows (a grafted chain must fit what is left too)
         tokens, stats = run(target, drafter, prompt, method, budget, max_new_tokens=100)
         assert tokens == reference and stats.stop_reason == "context_limit"
 

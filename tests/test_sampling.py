@@ -13,6 +13,7 @@ import torch
 from ddtree.models.attention import Visibility
 from ddtree.base.config import SamplingParams
 from ddtree.engine.decoder import Decoder, make_method
+from ddtree.engine.lookup import ContextLookup
 from ddtree.engine.sampling import processed_probs
 from ddtree.bench.testing import random_pair
 from ddtree.engine.tree import walk
@@ -187,3 +188,25 @@ def test_a_tiny_temperature_samples_the_top_token(temperature):
     for method in ("ar", "ddtree"):
         assert pair.generate([1, 2, 3], method=method, max_new_tokens=8, temperature=temperature,
                              seed=1).token_ids == greedy
+
+
+@pytest.mark.slow
+def test_sampling_with_grafted_lookup_chains_matches_target_distribution(pair):
+    """ddtree:N+lookup at T = 1: chains copied from the context change the tree, never the distribution. A 1-token
+    match on a 6-token vocabulary grafts a chain nearly every step, and some of them are accepted."""
+    target, drafter = pair
+    params = SamplingParams(1.0)
+    dist = exact_distribution(target, params)
+    method = make_method("ddtree:2+lookup", None, None, drafter)
+    method.lookup = ContextLookup(match=1, length=3)
+    decoder, counts, grafted, accepted_grafts = Decoder(target, drafter), {}, 0, 0
+    for s in range(SAMPLES):
+        records = []
+        tokens, _ = decoder.generate(PROMPT, method, params, LENGTH, seed=s, trace=records)
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+        for rec in records:
+            grafted += rec["grafted"]
+            accepted_grafts += any(node >= len(rec["parents"]) - rec["grafted"] for node in rec["accepted"])
+    assert grafted > SAMPLES and accepted_grafts > SAMPLES // 10, (grafted, accepted_grafts)
+    rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
+    assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: ddtree+lookup is not lossless"

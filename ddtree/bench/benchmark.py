@@ -61,18 +61,18 @@ from ..models.protocol import reference
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
     # that pay on a CPU (where narrow passes read exact GGUF blocks; 3 was the best fixed budget on code in the
-    # integer mode) and 8, and auto, greedy and sampled, on the three sets, in both target modes on a CPU (the
-    # float model and llama.cpp's integer activations), every run timed twice, interleaved. The run prints its
-    # own estimate after the warm-up.
+    # integer mode) and 8, and auto, each also with the context lookup at 2 and auto, greedy and sampled, on the
+    # three sets, in both target modes on a CPU (the float model and llama.cpp's integer activations), every run
+    # timed twice, interleaved. The run prints its own estimate after the warm-up.
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
     # llama-cpp-python and are skipped with a message without it.
     "quick": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
-                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
+                  methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree,ddtree:2+lookup,ddtree:auto+lookup",
                   budgets="2,3,4,8,auto", num_prompts=2, max_new_tokens=64, quant="auto", repeats=2),
     # The paper-style matrix and the budget sweep: 20 prompts per set, 256 tokens: hours on a 2-core CPU,
     # minutes on one GPU.
     "full": dict(datasets="humaneval,mt-bench,gsm", temperatures="0,1",
-                 methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree",
+                 methods="ar,hf,llamacpp,llamacpp:gguf,dflash,ddtree,ddtree:2+lookup,ddtree:auto+lookup",
                  budgets="2,3,4,8,16,32,64,128,256,512,auto", num_prompts=20, max_new_tokens=256, quant="auto",
                  repeats=3),
     # For tests: a couple of minutes including model loading.

@@ -85,10 +85,12 @@ class CostModel:
         """A plain step's verify after `context` committed tokens (None: the calibration's context)."""
         return self._seconds_upto(1, 0.0, context)[0]
 
-    def tree_step_seconds(self, count: int, length: int | None = None, context: int | None = None) -> list[float]:
+    def tree_step_seconds(self, count: int, length: int | None = None, context: int | None = None,
+                          drafted: bool = True) -> list[float]:
         """step_seconds of trees of 0, 1, ..., count draft nodes (1 .. count + 1 nodes with the root), as Python
-        floats: what the adaptive rule reads every step."""
-        return self._seconds_upto(count + 1, self.fixed(length), context)
+        floats: what the adaptive rule reads every step. drafted=False: a step without a draft pass (its nodes from
+        elsewhere: a context lookup), the verify alone."""
+        return self._seconds_upto(count + 1, self.fixed(length) if drafted else 0.0, context)
 
     def _seconds_upto(self, last: int, fixed: float, context: int | None) -> list[float]:
         """fixed + verify(n) + what `context` adds, for n = 1 .. last, in step_seconds' order of sums; without numpy
@@ -158,6 +160,13 @@ def choose_budget(path_logprobs, cost: CostModel, depths=None, edge_scale: float
         if rate > best_rate:
             best, best_rate = b, rate
     return best
+
+
+def expected_tokens(path_logprobs, depths, edge_scale: float, count: int) -> float:
+    """Tokens a step commits in expectation when it verifies the first `count` best-first nodes (lists or arrays):
+    1 (the bonus) + sum of p * c**depth, as choose_budget counts them."""
+    logp, depth_list = _as_list(path_logprobs)[:count], _as_list(depths)[:count]
+    return 1.0 + sum(math.exp(lp) * edge_scale ** d for lp, d in zip(logp, depth_list))
 
 
 def _as_list(values) -> list:

@@ -2,12 +2,13 @@
 chain, or a tree); verifying (one target pass), walking and committing are shared. The loop knows no method
 by name: it calls method.prepare() once, then propose() and observe() each step.
 
-    prefill prompt -> bonus
+    prefill prompt -> bonus; method.start(prompt + bonus)
     loop: tree = method.propose(bonus)         # root = bonus, then draft nodes
           logits = target(tree, tree mask)     # ONE pass over the N nodes
           path, bonus = walk(tree, choose(logits))
           commit path's K/V (+ queue the drafter's context: its tap features); emit path tokens + bonus,
-          cut after the first token that ends the generation (an EOS / stop token, a stop string: stops.py)
+          cut after the first token that ends the generation (an EOS / stop token, a stop string: stops.py);
+          method.observe(path, committed tokens)
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import numpy as np
 import torch
 
 from ..models.attention import Visibility
-from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
+from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget, expected_tokens
+from .lookup import ContextLookup
 from ..base.config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
 from .method_spec import MethodSpec, check_budget
@@ -27,7 +29,7 @@ from .stats import GenerationStats, StageTimer
 from .step_ops import TorchStepOps
 from .stops import Stops
 from .traces import step_record
-from .tree import DraftTree, chain_parents, walk_drawn
+from .tree import DraftTree, chain_parents, graft_chain, walk_drawn
 
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
 LONE_ROOT = chain_parents(1)  # a plain step's parents and depths, built once (nothing writes into a tree's arrays)
@@ -36,7 +38,7 @@ LONE_ROOT = chain_parents(1)  # a plain step's parents and depths, built once (n
 class Method:
     """What one method decides: the tree each step verifies. A method is self-contained: whatever it learns
     across steps and prompts (the adaptive budget's cost model and trust in the drafter) is its own state; the
-    loop only calls prepare() once per generation, then propose() and observe() each step."""
+    loop only calls prepare() and start() once per generation, then propose() and observe() each step."""
     block_size: int | None = None
 
     def __init__(self, spec: MethodSpec):
@@ -62,6 +64,9 @@ class Method:
         """Before each generation, outside its timing: load or measure what the method needs (once), and
         start a new prompt decoded with `sampling` (None: greedy)."""
 
+    def start(self, context: list[int]) -> None:
+        """A generation's committed tokens before its first step: the prompt and the prefill's token."""
+
     def propose(self, drafter, ops, dcache, bonus: torch.Tensor, room: int, timer) -> DraftTree:
         """The tree to verify, rooted at `bonus` [1], built with the step operations `ops` (protocol.StepOps). The one
         place that decides a plain step (the root alone, exactly plain decoding): when no draft of >= 1 token fits
@@ -78,8 +83,9 @@ class Method:
         """A drafted tree over block positions 1..length-1 (length >= 2), at most `room` nodes."""
         raise NotImplementedError
 
-    def observe(self, accepted: int) -> None:
-        """Feedback after each verify: `accepted` draft tokens (bonus excluded)."""
+    def observe(self, path: list[int], committed: list[int]) -> None:
+        """Feedback after each verify: the accepted path's nodes (root first; len(path) - 1 draft tokens were
+        accepted) and the tokens the step committed (the accepted drafts and the bonus)."""
 
 
 class AR(Method):
@@ -127,6 +133,7 @@ class DDTree(Method):
     def __init__(self, spec: MethodSpec, budget: int, block_size: int):
         super().__init__(spec)
         self.budget, self.block_size = budget, min(block_size, budget + 1)
+        self.lookup = ContextLookup() if spec.lookup else None  # ddtree:N+lookup
 
     @classmethod
     def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DDTree":
@@ -141,7 +148,11 @@ class DDTree(Method):
         return cls(spec, spec.budget, block_size)
 
     def max_nodes(self) -> int:
-        return self.budget + 1
+        return self.budget + 1 + (self.lookup.length if self.lookup is not None else 0)
+
+    def start(self, context: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.start(context)
 
     def draft(self, drafter, ops, dcache, bonus, length, room, timer):
         with timer("draft"):
@@ -151,8 +162,30 @@ class DDTree(Method):
                                                           self.heap_size(room))
             b = self.keep(scores, depths[1:], dcache.length)  # pop order: any prefix is a tree
             ids = ids[:b]  # [b] in the draft vocabulary
-            return DraftTree(ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1],
-                             draft_logits=logits, draft_ids=ids)
+            tokens, parents, depths, grafted = ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], 0
+            if self.lookup is not None and (chain := self.lookup.chain()[:room - 1 - b]):
+                tokens, parents, depths, grafted = self._graft(tokens, parents, depths, chain, b)
+            return DraftTree(tokens, parents, depths, draft_logits=logits, draft_ids=ids, grafted=grafted)
+
+    def _graft(self, tokens: torch.Tensor, parents: np.ndarray, depths: np.ndarray, chain: list[int], b: int,
+               drafted: bool = True) -> tuple:
+        """The tree (tokens [N], parents [N], depths [N]; b drafter nodes) with the lookup's `chain` grafted on
+        (tree.graft_chain) where graft_pays says so, and how many nodes that appended; else the same tree and 0."""
+        listed = tokens.tolist(), parents.tolist(), depths.tolist()
+        added = graft_chain(*listed, chain)
+        if not added or not self.graft_pays(chain, b, added, drafted):
+            return tokens, parents, depths, 0
+        return (torch.tensor(listed[0], dtype=tokens.dtype, device=tokens.device),
+                np.array(listed[1], dtype=np.int64), np.array(listed[2], dtype=np.int64), added)
+
+    def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
+        """Whether to verify a chain that adds `added` nodes to the drafter's b (drafted: after a draft pass): a
+        fixed budget always does."""
+        return True
+
+    def observe(self, path: list[int], committed: list[int]) -> None:
+        if self.lookup is not None:
+            self.lookup.extend(committed)
 
     def heap_size(self, room: int) -> int:
         """How many best-first nodes to pop this step (keep() verifies a prefix of them): the budget, in the room."""
@@ -176,31 +209,44 @@ class AdaptiveDDTree(DDTree):
     Likewise it pops twice as many best-first nodes as the largest tree kept in those steps (at least HEAP_MIN),
     not its whole budget: a heap of 64 nodes for a tree of 3 costs a CPU step more host time than the tree.
 
+    With a context lookup (ddtree:auto+lookup) it grafts a step's chain only where the rule says the nodes it adds
+    pay for their rows: each added node is expected to commit `graft_yield` more tokens, an average over the steps
+    that had a chain, grafted or not (what the chain would have matched of the committed tokens, beyond what the
+    drafter's nodes got), weighted GRAFT_ALPHA per step so that a passage the output copies is found within a
+    step or two.
+
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
     greedy one (and back) until relearned."""
     DEPTH_MEMORY = 4
     HEAP_MIN = 4
+    GRAFT_PRIOR = 0.5  # tokens an added node commits in expectation, before any chain has been seen
+    GRAFT_ALPHA = 0.3
 
     def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
         super().__init__(spec, max_budget, block_size)
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
-        self._last = None  # (path log-probs, depths) of the nodes verified in the current step
+        self._last = None  # (path log-probs, depths) of the drafter's nodes verified in the current step
+        self._expected = 1.0  # tokens the drafter's kept nodes commit in expectation (bonus included)
+        self._grafted = 0  # nodes a context lookup added to the current step's tree
+        self._chain: tuple[list[int], int] | None = None  # the step's lookup chain and the nodes it would add
         self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
-        self._regimes: dict[SamplingParams, tuple] = {}  # sampling -> (calibration, gate, recent, draft length)
+        # sampling -> (calibration, gate, recent trees, draft length, graft yield)
+        self._regimes: dict[SamplingParams, tuple] = {}
         self._regime = SamplingParams()  # greedy until prepare() says otherwise
-        self.calibration, self.gate, self._recent, self.block_size = self._fresh()
+        self.calibration, self.gate, self._recent, self.block_size, self.graft_yield = self._fresh()
 
     def _fresh(self) -> tuple:
         """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
-        recent trees' (depth, nodes) and the next draft's length."""
-        return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length
+        recent trees' (depth, nodes), the next draft's length and the tokens a grafted node adds."""
+        return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length, self.GRAFT_PRIOR
 
     def _enter(self, sampling: SamplingParams) -> None:
         """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
-        self._regimes[self._regime] = (self.calibration, self.gate, self._recent, self.block_size)
-        self.calibration, self.gate, self._recent, self.block_size = self._regimes.get(sampling) or self._fresh()
+        self._regimes[self._regime] = (self.calibration, self.gate, self._recent, self.block_size, self.graft_yield)
+        state = self._regimes.get(sampling) or self._fresh()
+        self.calibration, self.gate, self._recent, self.block_size, self.graft_yield = state
         self._regime = sampling
 
     def longest_draft(self) -> int:
@@ -209,7 +255,7 @@ class AdaptiveDDTree(DDTree):
     def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
         self._enter(SamplingParams() if sampling is None or sampling.greedy else sampling)
         if self.cost is None:
-            self.cost = verify_costs(target, drafter, self.max_length, self.max_nodes())
+            self.cost = verify_costs(target, drafter, self.max_length, self.budget + 1)  # a grafted chain: extrapolated
             # a tree the calibration stopped short of costs more than a fully accepted block can repay
             self.budget = max(1, min(self.budget, self.cost.sizes[-1] - 1))
         self.gate.restart()
@@ -226,17 +272,60 @@ class AdaptiveDDTree(DDTree):
         logp, depths = path_logprobs.tolist(), depths.tolist()  # Python floats: the rules read a handful each
         b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context)
         self._last = (logp[:b], depths[:b])
+        if self.lookup is not None:
+            self._expected = expected_tokens(logp, depths, self.calibration.c, b)
         return b
 
-    def observe(self, accepted: int) -> None:
-        if self._last is None:  # a plain step
-            return
-        logp, depths = self._last
-        self.calibration.update(logp, depths, accepted)
-        self.gate.update(accepted + 1, self.cost.tree_step_seconds(len(logp), self.block_size, self._context)[-1])
-        self._recent.append((int(max(depths)), len(logp)))
-        self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
-        self._last = None
+    def propose(self, drafter, ops, dcache, bonus, room, timer):
+        """As Method.propose; where the gate declines to draft, the lookup's chain alone, if it pays (no draft pass:
+        the root and the chain's nodes)."""
+        tree = super().propose(drafter, ops, dcache, bonus, room, timer)
+        if tree.size > 1 or self.lookup is None or not (chain := self.lookup.chain()[:room - 1]):
+            return tree
+        with timer("tree_build"):
+            self._expected = 1.0
+            tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain, 0, False)
+            return DraftTree(tokens, parents, depths, grafted=grafted)
+
+    def draft(self, drafter, ops, dcache, bonus, length, room, timer):
+        tree = super().draft(drafter, ops, dcache, bonus, length, room, timer)
+        self._grafted = tree.grafted
+        return tree
+
+    def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
+        """The chain's added nodes are verified when expected tokens per second rise with them."""
+        self._chain = (chain, added)
+        seconds = self.cost.tree_step_seconds(b + added, self.block_size, self._context, drafted)
+        return (self._expected + self.graft_yield * added) / seconds[b + added] > self._expected / seconds[b]
+
+    def observe(self, path: list[int], committed: list[int]) -> None:
+        super().observe(path, committed)
+        by_drafter = 0
+        if self._last is not None:  # a drafted step
+            logp, depths = self._last
+            b = len(logp)
+            # the drafter is judged on its own nodes, as if it had been alone (the grafted ones come after its b):
+            # its trust, and whether drafting pays at all
+            by_drafter = sum(1 for node in path[1:] if node <= b)
+            self.calibration.update(logp, depths, by_drafter)
+            self.gate.update(by_drafter + 1, self.cost.tree_step_seconds(b, self.block_size, self._context)[-1])
+            self._recent.append((int(max(depths)), len(logp)))
+            self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
+        if self._chain is not None:  # what the chain matched of the committed tokens, past the drafter's share
+            chain, added = self._chain
+            gain = max(0, _common_prefix(chain, committed) - by_drafter) / added
+            self.graft_yield += self.GRAFT_ALPHA * (gain - self.graft_yield)
+        self._last = self._chain = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None,
@@ -359,6 +448,7 @@ class Decoder:
             emitted = [int(choose(out.logits, sampling, generator)[0])]
             if dcache is not None:
                 drafter.add_context(dcache, out.taps)
+            method.start(list(prompt_ids) + emitted)
         stats.time_to_first_token = time.perf_counter() - t0
         tokens = []
 
@@ -389,12 +479,12 @@ class Decoder:
                 tcache.commit(n, rows)
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])
-            method.observe(n - 1)
+            emitted = [choices[i] for i in path]
+            method.observe(path, emitted)
             if trace is not None:
                 trace.append(step_record(tree, choices, path))
             stats.acceptance_lengths.append(n)
             stats.tree_sizes.append(tree.size)
-            emitted = [choices[i] for i in path]
 
         stats.stop_reason, stats.stop_match = stop_reason, stops.match
         stats.seconds = time.perf_counter() - t0

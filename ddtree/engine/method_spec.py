@@ -1,4 +1,5 @@
-"""The method registry and vocabulary: `ar`, `hf`, `llamacpp`, `dflash`, `ddtree`, `ddtree:N`, `ddtree:auto`.
+"""The method registry and vocabulary: `ar`, `hf`, `llamacpp`, `dflash`, `ddtree`, `ddtree:N`, `ddtree:auto`, and
+`ddtree:N+lookup` (a context-lookup chain grafted onto each step's tree: lookup.py).
 
 Every method is one `MethodInfo` in `METHODS`: its factory (the strategy the decoding loop runs, or the peer
 program that decodes beside it) and what the engine, `compare`, the benchmark, the command line and the plots
@@ -27,6 +28,7 @@ class MethodInfo:
     factory: str
     peer: bool = False  # another program's plain decoding: compare and the benchmark only, greedy only
     takes_budget: bool = False  # ddtree:N / ddtree:auto
+    takes_lookup: bool = False  # ddtree:N+lookup
     variants: tuple[str, ...] = ()  # llamacpp:gguf
     uses_drafter: bool = False
     check: str = "exact"  # how its greedy tokens are checked against ar's: reference / exact / agreement
@@ -60,12 +62,13 @@ METHODS: dict[str, MethodInfo] = {info.name: info for info in (
                uses_drafter=True, rank=3, display="DFlash", color="#4c72b0"),
     MethodInfo("ddtree", "DDTree: a best-first tree of N draft nodes per step (ddtree:N; a bare ddtree: the default "
                "budget) or the adaptive per-step budget (ddtree:auto)", "ddtree.engine.decoder:DDTree",
-               takes_budget=True, uses_drafter=True, rank=4, display="DDTree", color="#dd8452"),
+               takes_budget=True, takes_lookup=True, uses_drafter=True, rank=4, display="DDTree", color="#dd8452"),
 )}
 NAMES = tuple(METHODS)
 REFERENCE = next(name for name, info in METHODS.items() if info.check == "reference")  # ar
 DEFAULT_BUDGET = 64  # draft nodes per step for a bare `ddtree` on a GPU (or where the device is not known)
 AUTO = "auto"  # the adaptive budget
+LOOKUP = "lookup"  # ddtree:N+lookup: each step's tree also holds a chain copied from the context (lookup.py)
 # The largest budget a step may verify, by device type: a step commits at most block_size (16) tokens whatever its
 # budget, while a verify's cost grows with its nodes. On a CPU past the largest tree calibrate() measures (512: a
 # verify then costs far more than 16 plain steps); elsewhere past 4096 nodes. Larger budgets are refused.
@@ -81,7 +84,8 @@ def check_budget(budget, device) -> None:
         raise ConfigError(f"budget {budget} is more than a step can repay on {kind}: a step verifies budget + 1 "
                           f"tree nodes in one pass but commits at most one block of tokens; use a budget of at "
                           f"most {limit}, or ddtree:auto (which sizes each step's tree from measured costs)")
-SYNTAX = "ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto"
+SYNTAX = ("ar, hf, llamacpp, llamacpp:gguf, dflash, ddtree, ddtree:N (N >= 1 draft nodes per step) or ddtree:auto; "
+          "a ddtree with +lookup (ddtree:4+lookup) also grafts a chain copied from the context")
 
 
 def default_budget(device=None) -> int | str:
@@ -114,10 +118,12 @@ def parse_budget(value) -> int | str:
 @dataclass(frozen=True)
 class MethodSpec:
     """One method, validated: `name` in NAMES; `budget` set for ddtree only (an int >= 1 or 'auto'); `variant`
-    for llamacpp only (None: a GGUF of the same weights and precision; 'gguf': the target's own GGUF file)."""
+    for llamacpp only (None: a GGUF of the same weights and precision; 'gguf': the target's own GGUF file);
+    `lookup` for ddtree only (the context lookup's chain grafted onto each tree)."""
     name: str
     budget: int | str | None = None
     variant: str | None = None
+    lookup: bool = False
 
     def __post_init__(self):
         if self.name not in METHODS:
@@ -128,6 +134,9 @@ class MethodSpec:
             raise ConfigError(f"only ddtree takes a budget, got {self.name}:{self.budget}; use {SYNTAX}")
         if self.variant is not None and self.variant not in self.info.variants:
             raise ConfigError(f"unknown method {self.name}:{self.variant}; use {SYNTAX}")
+        if self.lookup is not False and (self.lookup is not True or not self.info.takes_lookup):
+            raise ConfigError(f"only ddtree takes +{LOOKUP} (and lookup is True or False), got {self.name} with "
+                              f"lookup={self.lookup!r}; use {SYNTAX}")
 
     @property
     def info(self) -> MethodInfo:
@@ -136,9 +145,9 @@ class MethodSpec:
     @property
     def label(self) -> str:
         """The name a record, a table row and a plot use: 'ar', 'dflash', 'ddtree:16', 'ddtree:auto',
-        'llamacpp:gguf'."""
+        'ddtree:4+lookup', 'llamacpp:gguf'."""
         if self.info.takes_budget:
-            return f"{self.name}:{self.budget}"
+            return f"{self.name}:{self.budget}" + (f"+{LOOKUP}" if self.lookup else "")
         return f"{self.name}:{self.variant}" if self.variant else self.name
 
     @property
@@ -152,14 +161,23 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, method: "str | MethodSpec", budget=None, device=None) -> "MethodSpec":
-        """'ddtree:32' -> ddtree at 32 nodes. A bare 'ddtree' takes `budget` (None: default_budget(device)); other
-        methods ignore it, but a bad `budget` is refused whatever the method."""
+        """'ddtree:32' -> ddtree at 32 nodes; 'ddtree:32+lookup' with the context lookup. A bare 'ddtree' (or
+        'ddtree+lookup') takes `budget` (None: default_budget(device)); other methods ignore it, but a bad `budget` is
+        refused whatever the method."""
         default = default_budget(device) if budget is None else parse_budget(budget)
         if isinstance(method, MethodSpec):
             return method
         if not isinstance(method, str):
             raise ConfigError(f"a method is a string ({SYNTAX}), got {method!r}")
-        name, colon, explicit = method.strip().partition(":")
+        text, plus, option = method.strip().partition("+")
+        if plus:
+            if option.strip() != LOOKUP:
+                raise ConfigError(f"unknown option +{option} in {method!r}; the one option is +{LOOKUP}: use {SYNTAX}")
+            spec = cls.parse(text, budget, device)
+            if not spec.info.takes_lookup:
+                raise ConfigError(f"only ddtree takes +{LOOKUP}, got {method!r}; use {SYNTAX}")
+            return cls(spec.name, spec.budget, spec.variant, lookup=True)
+        name, colon, explicit = text.partition(":")
         info = METHODS.get(name)
         if colon and info is not None and info.variants:
             return cls(name, variant=explicit)
@@ -187,9 +205,11 @@ def parse_methods(methods, budgets=None, device=None) -> list[MethodSpec]:
     for method in names:
         if isinstance(method, str) and not method.strip():
             continue
-        info = METHODS.get(method.strip()) if isinstance(method, str) else None
-        if info is not None and info.takes_budget:  # a bare ddtree: one spec per budget
-            specs += [MethodSpec(info.name, b) for b in budget_list]
+        bare, plus, option = method.strip().partition("+") if isinstance(method, str) else (None, "", "")
+        info = METHODS.get(bare) if bare is not None else None
+        if info is not None and info.takes_budget:  # a bare ddtree (+lookup): one spec per budget
+            lookup = MethodSpec.parse(method, budget_list[0]).lookup  # refuses a bad option
+            specs += [MethodSpec(info.name, b, lookup=lookup) for b in budget_list]
         else:
             specs.append(MethodSpec.parse(method))
     return list(dict.fromkeys(specs))

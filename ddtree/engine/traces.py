@@ -4,7 +4,9 @@ One record per decoding step (JSON-ready):
 
     tokens          [N] node tokens in tree order (node 0 = the root, the last committed token)
     parents         [N] parent node (-1 for the root); depths [N] (root 0)
-    draft_logprobs  [N] the drafter's log-probability of each node's token at its block position (root 0.0)
+    draft_logprobs  [N] the drafter's log-probability of each node's token at its block position (root 0.0; -inf
+                    for a node grafted from a context lookup, which the drafter did not propose)
+    grafted         how many nodes, the last ones, a context lookup grafted onto the drafter's tree (lookup.py)
     choices         [N] the target's token at each node (greedy: all nodes; sampled, or greedy with a
                     float32 CPU target's per-row logits (target.RowLogits): -1 where the walk did not look)
     accepted        the accepted path's node indices, root first (its last node's choice is the bonus token)
@@ -27,14 +29,15 @@ from .tree import DraftTree
 def step_record(tree: DraftTree, choices: list[int], path: list[int]) -> dict:
     """The trace of one step (computes the draft log-probs only here, so untraced steps never pay for them)."""
     tokens = tree.tokens.tolist()
-    logprobs = [0.0] * tree.size
-    if tree.draft_logits is not None and tree.size > 1:
+    drafted = tree.size - tree.grafted  # the root and the drafter's nodes come first
+    logprobs = [0.0] * drafted + [-math.inf] * tree.grafted
+    if tree.draft_logits is not None and drafted > 1:
         lp = tree.draft_logits.float().log_softmax(dim=-1)  # [depth, draft vocab]
-        at = torch.from_numpy(tree.depths[1:] - 1).to(lp.device)  # node i sits at block position depths[i]
-        ids = tree.tokens[1:] if tree.draft_ids is None else tree.draft_ids
-        logprobs[1:] = lp[at, ids.to(lp.device)].tolist()
+        at = torch.from_numpy(tree.depths[1:drafted] - 1).to(lp.device)  # node i sits at block position depths[i]
+        ids = tree.tokens[1:drafted] if tree.draft_ids is None else tree.draft_ids
+        logprobs[1:drafted] = lp[at, ids.to(lp.device)].tolist()
     return dict(tokens=tokens, parents=tree.parents.tolist(), depths=tree.depths.tolist(),
-                draft_logprobs=logprobs, choices=list(choices), accepted=list(path))
+                draft_logprobs=logprobs, choices=list(choices), accepted=list(path), grafted=tree.grafted)
 
 
 def _tested(rec: dict) -> list[tuple[int, bool]]:

@@ -22,6 +22,7 @@ class DraftTree:
     # draft-vocabulary ids [N - 1] of nodes 1..N-1 (= tokens[1:] unless the drafter has a reduced vocabulary)
     draft_logits: torch.Tensor | None = None
     draft_ids: torch.Tensor | None = None
+    grafted: int = 0  # the last `grafted` nodes came from a context lookup (lookup.py), not from the drafter
 
     @property
     def size(self) -> int:
@@ -61,6 +62,22 @@ class _Ranks:
         self.ids[d] += [t for _, t in extra]
         self.complete[d] = True
         return r < len(self.lp[d])
+
+
+def graft_chain(tokens: list[int], parents: list[int], depths: list[int], chain: list[int]) -> int:
+    """Add the path root -> chain[0] -> chain[1] ... to a tree given as lists (tree order; changed in place): where a
+    node's child already holds the chain's next token the path goes on through it, the rest of the chain is appended
+    as new nodes, each the child of the one before. Returns how many nodes were appended (0: the tree held it)."""
+    node, added = 0, 0
+    for token in chain:
+        child = next((i for i in range(node + 1, len(tokens)) if parents[i] == node and tokens[i] == token), None)
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            depths.append(depths[node] + 1)
+            child, added = len(tokens) - 1, added + 1
+        node = child
+    return added
 
 
 def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:

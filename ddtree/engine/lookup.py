@@ -1,0 +1,50 @@
+"""Context lookup: a draft chain copied from the text so far (prompt lookup decoding), grafted onto the drafter's tree.
+
+Code and worked answers repeat their context: a signature and docstring written out again, a variable name, a number
+from the question. When the last `match` committed tokens (the step's root included) occurred earlier in the prompt
+or the output, the tokens that followed that earlier occurrence are a cheap guess at what follows now. The guess is
+grafted onto the step's tree as a chain (tree.graft_chain): nodes the tree already holds are shared, the rest are
+appended. The target verifies every node as it verifies the drafter's, so the output stays exactly the target's.
+
+The index maps each `match`-gram to where it last ended, so a step's lookup and each committed token cost one dict
+access; the chain is the continuation of the most recent earlier occurrence.
+"""
+from __future__ import annotations
+
+MATCH = 3  # tokens that must agree (the root and the two before it): 2 proposed more but wrong chains on chat
+LENGTH = 4  # tokens a chain proposes at most (each new node is one more verified row)
+
+
+class ContextLookup:
+    """The committed tokens of one generation and an index of their `match`-grams."""
+
+    def __init__(self, match: int = MATCH, length: int = LENGTH):
+        if match < 1 or length < 1:
+            raise ValueError(f"context lookup needs match >= 1 and length >= 1, got {match} and {length}")
+        self.match, self.length = match, length
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}  # match-gram -> index of its last token, latest occurrence
+        self._previous: int | None = None  # where the current last match-gram ended before (None: first time)
+
+    def start(self, tokens: list[int]) -> None:
+        """A new generation: the prompt and the prefill's token."""
+        self.tokens, self._ends, self._previous = [], {}, None
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Tokens just committed."""
+        history, n = self.tokens, self.match
+        for token in tokens:
+            history.append(int(token))
+            if len(history) >= n:
+                key = tuple(history[-n:])
+                self._previous = self._ends.get(key)
+                self._ends[key] = len(history) - 1
+
+    def chain(self) -> list[int]:
+        """The tokens that followed the last match-gram's previous occurrence (at most `length`; [] when it has
+        none)."""
+        if self._previous is None:
+            return []
+        start = self._previous + 1
+        return self.tokens[start:start + self.length]

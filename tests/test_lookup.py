@@ -1,0 +1,99 @@
+"""The context lookup (ddtree/engine/lookup.py) and grafting its chain onto a tree (tree.graft_chain)."""
+import random
+
+import numpy as np
+import pytest
+
+from conftest import run
+from ddtree.bench.testing import random_pair
+from ddtree.engine.budget import CostModel
+from ddtree.engine.decoder import Decoder, make_method
+from ddtree.engine.lookup import ContextLookup
+from ddtree.engine.tree import ancestor_matrix, graft_chain
+
+
+def brute_force_chain(tokens, match, length):
+    """The continuation of the latest earlier occurrence of the last `match` tokens, by scanning."""
+    key = tokens[-match:]
+    for end in range(len(tokens) - 2, match - 2, -1):
+        if tokens[end - match + 1:end + 1] == key:
+            return tokens[end + 1:end + 1 + length]
+    return []
+
+
+@pytest.mark.parametrize("match,length", [(1, 3), (2, 4), (3, 4), (4, 8)])
+def test_chain_is_the_latest_earlier_occurrences_continuation(match, length):
+    rng = random.Random(match * 10 + length)
+    for _ in range(30):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 60))]
+        lookup = ContextLookup(match, length)
+        lookup.start(tokens[:5])
+        for i in range(5, len(tokens), 3):  # committed a few at a time, as steps commit them
+            lookup.extend(tokens[i:i + 3])
+            assert lookup.chain() == brute_force_chain(tokens[:i + 3], match, length)
+    assert ContextLookup(3, 4).chain() == []
+    with pytest.raises(ValueError, match="match >= 1"):
+        ContextLookup(0, 4)
+
+
+def test_a_new_generation_forgets_the_last():
+    lookup = ContextLookup(2, 4)
+    lookup.start([5, 6, 7, 5, 6])
+    assert lookup.chain() == [7, 5, 6]
+    lookup.start([1, 2, 5, 6])
+    assert lookup.chain() == []
+
+
+def test_graft_shares_the_tree_and_appends_the_rest():
+    # root 9 -> 1 (node 1) -> 2 (node 3); root -> 4 (node 2)
+    tokens, parents, depths = [9, 1, 4, 2], [-1, 0, 0, 1], [0, 1, 1, 2]
+    assert graft_chain(tokens, parents, depths, [1, 2]) == 0 and tokens == [9, 1, 4, 2]  # the tree holds it
+    assert graft_chain(tokens, parents, depths, [1, 2, 7, 8]) == 2
+    assert tokens == [9, 1, 4, 2, 7, 8] and parents == [-1, 0, 0, 1, 3, 4] and depths == [0, 1, 1, 2, 3, 4]
+    assert graft_chain(tokens, parents, depths, [4, 4]) == 1  # node 2 shared, a child of it appended
+    assert parents[-1] == 2 and depths[-1] == 2 and tokens[-1] == 4
+    assert graft_chain(tokens, parents, depths, [3]) == 1 and parents[-1] == 0
+    anc = ancestor_matrix(np.array(parents), np.array(depths))  # still a tree in tree order
+    assert all(p < i for i, p in enumerate(parents) if i)
+    assert anc.shape == (len(tokens), len(tokens))
+    siblings = {}
+    for i in range(1, len(tokens)):
+        assert (parents[i], tokens[i]) not in siblings, "two children of one node hold the same token"
+        siblings[(parents[i], tokens[i])] = i
+
+
+def test_lookup_grafts_accepted_chains_and_stays_exact():
+    """On a repetitive prompt the random target repeats itself, the lookup's chains are grafted and accepted, and
+    the output is exactly plain decoding's, for fixed and adaptive budgets."""
+    target, drafter = random_pair("llama", seed=4, block_size=8)
+    prompt = [11, 12, 13, 14, 15] * 6
+    reference, _ = run(target, None, prompt, "ar", max_new_tokens=40)
+    for method in ("ddtree:1+lookup", "ddtree:4+lookup", "ddtree:auto+lookup"):
+        records = []
+        tokens, stats = Decoder(target, drafter).generate(prompt, make_method(method, None, None, drafter),
+                                                           max_new_tokens=40, trace=records)
+        assert tokens == reference, method
+        grafted = sum(rec["grafted"] for rec in records)
+        accepted = sum(node >= len(rec["parents"]) - rec["grafted"] for rec in records for node in rec["accepted"])
+        assert grafted > 0 and accepted > 0, (method, grafted, accepted)
+        assert all(rec["draft_logprobs"][-1] == float("-inf") for rec in records if rec["grafted"])
+
+
+def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
+    """ddtree:auto+lookup verifies a chain's added nodes when expected tokens per second rise with them, from the
+    yield it has measured: chains that keep missing stop being grafted, and one that matches what is committed
+    (grafted or not) raises the yield again."""
+    _, drafter = random_pair("llama", seed=4, block_size=8)
+    method = make_method("ddtree:auto+lookup", None, None, drafter)
+    method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)  # an added node: 0.1 s on a 1.6 s step of 1 node
+    method._expected, method._context = 1.6, None
+    assert method.graft_pays([5, 6], 1, 2, True)  # 2 nodes at the prior 0.5 tokens each: 2.6 / 1.8 > 1.6 / 1.6
+    method.graft_yield = 0.05
+    assert not method.graft_pays([5, 6], 1, 2, True)  # 1.7 / 1.8 < 1.6 / 1.6
+    for _ in range(3):  # a chain that matched nothing committed, past what the drafter's node got
+        method._last, method._chain = ([-0.2], [1]), ([5, 6], 2)
+        method.observe([0, 1], [7, 8])
+    assert method.graft_yield < 0.05
+    method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2)
+    method.observe([0, 1], [7, 8, 9])  # the drafter got 1 token, the chain matched 3: 2 more over its 2 nodes
+    assert method.graft_yield > 0.25
