@@ -472,10 +472,12 @@ def _cells(row: dict) -> list[str]:
 
 def best_fixed(rows: list[dict]) -> list[dict]:
     """Per target mode x dataset x temperature, the fixed DDTree budget with the highest median end-to-end speedup:
-    the DDTree paper's view (its table takes the best budget per row), chosen after the run, unlike `auto`."""
+    the DDTree paper's view (its table takes the best budget per row), chosen after the run, unlike `auto`; plain
+    DDTree's budgets only (not `+lookup`'s)."""
     best = {}
     for r in rows:
-        if isinstance(r.get("budget"), int) and MethodSpec.parse(r["method"]).info.takes_budget:
+        spec = MethodSpec.parse(r["method"])
+        if isinstance(r.get("budget"), int) and spec.info.takes_budget and not spec.lookup:
             cell = (r["mode"], r["dataset"], r["temperature"])
             if cell not in best or r["speedup"] > best[cell]["speedup"]:
                 best[cell] = r
