@@ -463,9 +463,8 @@ class Decoder:
             if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
                 break
             start = tcache.length
-            tree = method.propose(drafter, self.ops, dcache, torch.full((1,), tokens[-1], dtype=torch.long, device=device),
-                                  tcache.room,
-                                  timer)
+            bonus = torch.full((1,), tokens[-1], dtype=torch.long, device=device)  # the root: the last committed token
+            tree = method.propose(drafter, self.ops, dcache, bonus, tcache.room, timer)
             with timer("tree_compile"):
                 ancestors, positions = self.compile(tree, start)
                 vis = Visibility(start, ancestors)
