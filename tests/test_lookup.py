@@ -1,4 +1,5 @@
 """The context lookup (ddtree/engine/lookup.py) and grafting its chain onto a tree (tree.graft_chain)."""
+import math
 import random
 
 import numpy as np
@@ -86,7 +87,7 @@ def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
     _, drafter = random_pair("llama", seed=4, block_size=8)
     method = make_method("ddtree:auto+lookup", None, None, drafter)
     method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)  # an added node: 0.1 s on a 1.6 s step of 1 node
-    method._expected, method._context = 1.6, None
+    method._last, method._context = ([math.log(0.6)], [1]), None  # the drafter's kept node: 1.6 tokens expected
     assert method.graft_pays([5, 6], 1, 2, True)  # 2 nodes at the prior 0.5 tokens each: 2.6 / 1.8 > 1.6 / 1.6
     method.graft_yield = 0.05
     assert not method.graft_pays([5, 6], 1, 2, True)  # 1.7 / 1.8 < 1.6 / 1.6

@@ -149,24 +149,30 @@ def choose_budget(path_logprobs, cost: CostModel, depths=None, edge_scale: float
     if n == 0:
         raise ValueError("no draft nodes to choose from")
     seconds = cost.tree_step_seconds(n, length, context)  # [n + 1]: a tree of b nodes is b + 1 rows with the root
-    logp, scaled = _as_list(path_logprobs), depths is not None and edge_scale != 1.0
-    depth_list = _as_list(depths) if scaled else None
-    powers = [edge_scale ** d for d in range(max(depth_list) + 1)] if scaled else None
     expected, best, best_rate = 1.0, 1, -1.0
-    for b in range(1, n + 1):
-        p = math.exp(logp[b - 1])
-        expected += p * powers[depth_list[b - 1]] if scaled else p
+    for b, p in enumerate(node_probabilities(path_logprobs, depths, edge_scale), start=1):
+        expected += p
         rate = expected / seconds[b]
         if rate > best_rate:
             best, best_rate = b, rate
     return best
 
 
-def expected_tokens(path_logprobs, depths, edge_scale: float, count: int) -> float:
-    """Tokens a step commits in expectation when it verifies the first `count` best-first nodes (lists or arrays):
-    1 (the bonus) + sum of p * c**depth, as choose_budget counts them."""
-    logp, depth_list = _as_list(path_logprobs)[:count], _as_list(depths)[:count]
-    return 1.0 + sum(math.exp(lp) * edge_scale ** d for lp, d in zip(logp, depth_list))
+def node_probabilities(path_logprobs, depths=None, edge_scale: float = 1.0) -> list[float]:
+    """Each best-first node's acceptance probability as the rules take it, p * c**depth (EdgeCalibration's c), as
+    Python floats; path_logprobs [n] and depths [n] are numpy arrays or lists."""
+    logp = _as_list(path_logprobs)
+    if depths is None or edge_scale == 1.0:
+        return [math.exp(lp) for lp in logp]
+    depth_list = _as_list(depths)
+    powers = [edge_scale ** d for d in range(max(depth_list, default=0) + 1)]
+    return [math.exp(lp) * powers[d] for lp, d in zip(logp, depth_list)]
+
+
+def expected_tokens(path_logprobs, depths, edge_scale: float) -> float:
+    """Tokens a step commits in expectation when it verifies these best-first nodes: 1 (the bonus) + the sum of
+    their node_probabilities, as choose_budget counts them."""
+    return 1.0 + sum(node_probabilities(path_logprobs, depths, edge_scale))
 
 
 def _as_list(values) -> list:
@@ -288,9 +294,9 @@ class EdgeCalibration:
             if f == 0.0:
                 return c
             lo, hi = (c, hi) if f < 0 else (lo, c)
-            step = c - f / slope if slope > 0 else lo - 1.0
-            if not lo < step < hi:
-                step = 0.5 * (lo + hi)  # Newton left the bracket: bisect
+            step = c - f / slope if slope > 0 else None
+            if step is None or not lo < step < hi:
+                step = 0.5 * (lo + hi)  # no Newton step inside the bracket: bisect
             if abs(step - c) < 1e-7:
                 return step
             c = step

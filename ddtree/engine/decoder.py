@@ -228,8 +228,6 @@ class AdaptiveDDTree(DDTree):
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the drafter's nodes verified in the current step
-        self._expected = 1.0  # tokens the drafter's kept nodes commit in expectation (bonus included)
-        self._grafted = 0  # nodes a context lookup added to the current step's tree
         self._chain: tuple[list[int], int] | None = None  # the step's lookup chain and the nodes it would add
         self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
         # sampling -> (calibration, gate, recent trees, draft length, graft yield)
@@ -272,8 +270,6 @@ class AdaptiveDDTree(DDTree):
         logp, depths = path_logprobs.tolist(), depths.tolist()  # Python floats: the rules read a handful each
         b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context)
         self._last = (logp[:b], depths[:b])
-        if self.lookup is not None:
-            self._expected = expected_tokens(logp, depths, self.calibration.c, b)
         return b
 
     def propose(self, drafter, ops, dcache, bonus, room, timer):
@@ -283,20 +279,15 @@ class AdaptiveDDTree(DDTree):
         if tree.size > 1 or self.lookup is None or not (chain := self.lookup.chain()[:room - 1]):
             return tree
         with timer("tree_build"):
-            self._expected = 1.0
             tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain, 0, False)
             return DraftTree(tokens, parents, depths, grafted=grafted)
-
-    def draft(self, drafter, ops, dcache, bonus, length, room, timer):
-        tree = super().draft(drafter, ops, dcache, bonus, length, room, timer)
-        self._grafted = tree.grafted
-        return tree
 
     def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
         """The chain's added nodes are verified when expected tokens per second rise with them."""
         self._chain = (chain, added)
+        expected = expected_tokens(*(self._last or ((), ())), self.calibration.c)  # the drafter's b kept nodes
         seconds = self.cost.tree_step_seconds(b + added, self.block_size, self._context, drafted)
-        return (self._expected + self.graft_yield * added) / seconds[b + added] > self._expected / seconds[b]
+        return (expected + self.graft_yield * added) / seconds[b + added] > expected / seconds[b]
 
     def observe(self, path: list[int], committed: list[int]) -> None:
         super().observe(path, committed)
