@@ -61,7 +61,7 @@ from ..models.protocol import reference
 PRESETS = {
     # What the project is about, in <= 10 minutes on any 2-core CPU: ar, hf, dflash, ddtree at the small budgets
     # that pay on a CPU (where narrow passes read exact GGUF blocks; 3 was the best fixed budget on code in the
-    # integer mode) and 8, and auto, each also with the context lookup at 2 and auto, greedy and sampled, on the
+    # integer mode) and 8, and auto (2 and auto also with the context lookup), greedy and sampled, on the
     # three sets, in both target modes on a CPU (the float model and llama.cpp's integer activations), every run
     # timed twice, interleaved. The run prints its own estimate after the warm-up.
     # llamacpp / llamacpp:gguf (llama.cpp on the same weights / on the target's GGUF file) need the optional
