@@ -294,6 +294,52 @@ class Stack {
     }
   }
 
+  // A drafter's final norm and reduced head (a linear of this stack; -1: none, draft() returns the normed
+  // hidden states and the caller applies the target's head).
+  void set_head(int64_t head_id, torch::Tensor norm, double norm_eps) {
+    TORCH_CHECK(norm.numel() == H && norm.scalar_type() == torch::kFloat32, "set_head: norm must be float32 [hidden]");
+    has_head = head_id >= 0;
+    if (has_head) head = linears.at(head_id);
+    final_norm = norm.contiguous();
+    final_eps = float(norm_eps);
+  }
+
+  // A DFlash draft as one call (DFlashDrafter.draft with every layer seeing the whole context and block): the
+  // queued context features [n, F] (or none) -> K/V at cache rows [past, past + n) (context()); the block
+  // [bonus, mask x (length - 1)], gathered from `embed` [V, H], at positions past + n + [0, length) (cos_table,
+  // sin_table [>= past + n + length, D]: the rotary table's rows), through the layers (its K/V pending rows after
+  // the context); the final norm of rows 1..length-1; the head -> logits [length - 1, draft vocab] (set_head; else
+  // the normed hidden [length - 1, H]). The same functions in the same order as those calls one by one, so the
+  // same bits; after a target pass each torch op of those calls costs tens of microseconds, this one a few.
+  torch::Tensor draft(c10::optional<torch::Tensor> features, torch::Tensor embed, int64_t bonus, int64_t mask,
+                      int64_t length, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor k_cache,
+                      torch::Tensor v_cache, int64_t past) {
+    TORCH_CHECK(final_norm.defined(), "draft: this stack has no final norm (set_head)");
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.scalar_type() == torch::kFloat32 &&
+                    embed.is_contiguous() && embed.device().is_cpu(),
+                "draft: embed must be a contiguous float32 CPU table [vocab, hidden]");
+    TORCH_CHECK(bonus >= 0 && bonus < embed.size(0) && mask >= 0 && mask < embed.size(0),
+                "draft: bonus ", bonus, " or mask ", mask, " outside the vocabulary of ", embed.size(0));
+    TORCH_CHECK(length >= 2, "draft: a block of at least 2 positions");
+    const int64_t n = features ? features->size(0) : 0;
+    for (const auto* t : {&cos_table, &sin_table})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) >= past + n + length && t->size(1) == D &&
+                      t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
+                  "draft: cos_table and sin_table must be contiguous float32 [>= ", past + n + length, ", head_dim]");
+    if (n > 0) context(*features, cos_table.narrow(0, past, n), sin_table.narrow(0, past, n), k_cache, v_cache, past);
+    torch::Tensor h = torch::empty({length, H}, embed.options());
+    const float* table = embed.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    std::copy(table + bonus * H, table + (bonus + 1) * H, hp);
+    for (int64_t i = 1; i < length; ++i) std::copy(table + mask * H, table + (mask + 1) * H, hp + i * H);
+    const torch::Tensor out = forward(h, cos_table.narrow(0, past + n, length), sin_table.narrow(0, past + n, length),
+                                      k_cache, v_cache, past + n, c10::nullopt, {})[0];
+    torch::Tensor hidden = torch::empty({length - 1, H}, out.options());
+    for (int64_t i = 1; i < length; ++i)
+      rmsnorm(out.data_ptr<float>() + i * H, final_norm.data_ptr<float>(), final_eps, H, hidden.data_ptr<float>() + (i - 1) * H);
+    return has_head ? head(hidden) : hidden;
+  }
+
  private:
   void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t n) const {
     TORCH_CHECK(cos.sizes() == torch::IntArrayRef({n, D}) && sin.sizes() == cos.sizes() &&
@@ -639,6 +685,10 @@ class Stack {
   Linear ctx_fc;  // the drafter's context (add_context): fc, hidden_norm's weight, per layer its k;v projection
   torch::Tensor ctx_norm;
   std::vector<Linear> ctx_kv;
+  Linear head;  // a drafter's reduced head and final norm (set_head)
+  bool has_head = false;
+  torch::Tensor final_norm;
+  float final_eps = 0.f;
 };
 
 // The final norm of a pass, rows [N, H] -> [N, H]: the stack's rmsnorm as one call, where torch's RMSNorm takes
@@ -782,6 +832,9 @@ void bind_decoder(pybind11::module& mod) {
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
       .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]")
       .def("add_context", &Stack::add_context, "fc, hidden_norm weight, per layer its k;v linear: the drafter's context")
+      .def("set_head", &Stack::set_head, "head (a linear's index, or -1), final norm weight and eps: for draft()")
+      .def("draft", &Stack::draft, "features or None, embed, bonus, mask, length, cos_table, sin_table, k_cache, "
+           "v_cache, past -> a drafter's block logits (or normed hidden) [length - 1, V]")
       .def("context", &Stack::context, "features, cos, sin, k_cache, v_cache, past: the drafter's context K/V");
 }
 

@@ -170,7 +170,7 @@ def reference_arithmetic(runtime):
     linears = [(module, name, child) for module in runtime.model.modules()
                for name, child in module._modules.items()
                if isinstance(child, (nn.Linear, FusedLinear, qlinear.QLinear)) and name != "lm_head"]  # the runtime's
-    saved = {name: getattr(runtime, name) for name in ("stack", "context") if hasattr(runtime, name)}
+    saved = {name: getattr(runtime, name) for name in ("stack", "context", "one_call") if hasattr(runtime, name)}
     try:
         for module, name, child in linears:  # not setattr: no registration, so the weights' guard sees no change
             module._modules[name] = _RuntimeLinear(child, runtime.kernel)

@@ -339,6 +339,59 @@ def test_an_8bit_rounded_drafter_streams_8bit_blocks_with_the_same_bits(monkeypa
     assert drafter.head.compact.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("reduced", [True, False])
+def test_a_draft_in_one_call_has_the_bits_of_its_calls_one_by_one(int8, reduced):
+    """A draft through DecoderStack.draft (the queued context, the block's inputs, its layers, final norm and head in
+    one C++ call) gives the logits and the context K/V of the calls one by one: after a prompt's context wider than a
+    stack pass, then steps that queue 1..3 rows, at block lengths 2..16; with the reduced head in the stack, and with
+    the target's head (not reduced) applied after it; 8-bit copies with float and with int8 activations."""
+    from ddtree.runtime.cpu import qlinear
+    from ddtree.runtime.cpu.runtime import CPUDrafter
+
+    target = random_target("llama", seed=4, init_scale=0.25)
+    model = untrained_drafter(target, 2, 16, seed=5, draft_vocab=torch.arange(0, 96, 3) if reduced else None)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:  # 8-bit blocks: the copies that int8 activations run on
+                p.copy_(qlinear.round_po2_q8(p))
+    target, _ = attach(target, None)
+    drafter = CPUDrafter(model.bind(target), target.kernel, int8=int8)
+    assert drafter.one_call and drafter.head_in_stack == reduced
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randn(cpu_stack.MAX_ROWS + 6, width, generator=gen)
+    steps = [torch.randn(n, width, generator=gen) for n in (1, 3, 2, 1, 2)]
+
+    def run(one_call: bool):
+        drafter.one_call = one_call
+        cache, logits = drafter.new_cache(128), []
+        drafter.add_context(cache, prompt)
+        for i, (features, length) in enumerate(zip(steps, (2, 4, 9, 16, 3))):
+            logits.append(drafter.draft(cache, torch.tensor([7 + i]), length))
+            drafter.add_context(cache, features)
+        logits.append(drafter.draft(cache, torch.tensor([1]), 5))
+        return logits, cache
+
+    (fused, fused_cache), (calls, calls_cache) = run(True), run(False)
+    assert fused_cache.length == calls_cache.length == len(prompt) + sum(len(f) for f in steps)
+    assert all(torch.equal(a, b) for a, b in zip(fused, calls))
+    rows = slice(0, fused_cache.length)
+    assert torch.equal(fused_cache.k[:, :, rows], calls_cache.k[:, :, rows])
+    assert torch.equal(fused_cache.v[:, :, rows], calls_cache.v[:, :, rows])
+
+
+def test_a_one_call_draft_names_what_is_wrong_with_its_input():
+    target, drafter = random_pair("llama", seed=3, num_draft_layers=2, init_scale=0.25)
+    cos, sin = drafter.model.rotary.table(64, torch.float32)
+    cache = drafter.new_cache(32)
+    embed = target.embed_table()
+    with pytest.raises(RuntimeError, match="bonus 100000 or mask .* outside the vocabulary"):
+        drafter.stack.draft(None, embed, 100000, 1, 4, cos, sin, cache.k, cache.v, 0)
+    with pytest.raises(RuntimeError, match="cos_table and sin_table must be contiguous float32"):
+        drafter.stack.draft(None, embed, 1, 1, 4, cos[:2], sin[:2], cache.k, cache.v, 0)
+
+
 def test_drafter_context_through_the_stack_matches_eager():
     """The drafter's context pass (fc, hidden_norm, then every layer's k/v projection, k_norm and RoPE into its
     cache) as one C++ call equals the eager ops' K/V within float32 rounding, at the cache rows after a past."""

@@ -133,7 +133,10 @@ class HFTarget(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The raw embedding rows [N, H] (no model-specific scaling: what a DFlash drafter is fed)."""
-        return F.embedding(tokens, self.hf.get_input_embeddings().weight)
+        return F.embedding(tokens, self.embed_table())
+
+    def embed_table(self) -> torch.Tensor:
+        return self.hf.get_input_embeddings().weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V], with the model's own post-processing."""

@@ -43,14 +43,18 @@ class Rotary(nn.Module):
         # positions [N] -> cos, sin [N, head_dim] in the model dtype (HF computes in fp32 and casts too).
         if positions.device.type != "cpu" or self.inv_freq.device.type != "cpu" or positions.dim() != 1:
             return self._compute(positions, dtype)
+        cos, sin = self.table(int(positions.max()) + 1 if positions.numel() else 1, dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def table(self, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU table: cos, sin [>= rows, head_dim] for positions 0, 1, ... (forward() reads its rows)."""
         table, inv_freq = self._table, self.inv_freq
-        top = int(positions.max()) if positions.numel() else 0
         state = (0 if inv_freq.is_inference() else inv_freq._version, dtype)  # inference tensors have no version
-        if table is None or table[0] is not inv_freq or table[1] != state or top >= table[2].shape[0]:
-            size = max(self.TABLE_MIN, 2 * top + 2, 0 if table is None else table[2].shape[0])
+        if table is None or table[0] is not inv_freq or table[1] != state or rows > table[2].shape[0]:
+            size = max(self.TABLE_MIN, 2 * rows, 0 if table is None else table[2].shape[0])
             with torch.inference_mode(False), torch.no_grad():  # made inside a decoding pass, read by training too
                 table = self._table = (inv_freq, state, *self._compute(torch.arange(size), dtype))
-        return table[2].index_select(0, positions), table[3].index_select(0, positions)
+        return table[2], table[3]
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

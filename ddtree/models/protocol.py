@@ -73,6 +73,9 @@ class Target(Protocol):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> embeddings [N, H] (the drafter shares them)."""
 
+    def embed_table(self) -> torch.Tensor:
+        """The table [V, H] whose rows embed() returns (a CPU drafter's one-call draft gathers them itself)."""
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V] (the drafter shares the LM head)."""
 

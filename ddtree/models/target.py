@@ -85,6 +85,9 @@ class TargetModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
+    def embed_table(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
         return self.lm_head(hidden)

@@ -59,6 +59,9 @@ class TargetRuntime(Runtime):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed(tokens)
 
+    def embed_table(self) -> torch.Tensor:
+        return self.model.embed_table()
+
     def lazy_logits(self, rows: int) -> bool:
         return self.model.lazy_logits(rows)
 

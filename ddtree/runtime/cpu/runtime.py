@@ -250,6 +250,11 @@ class CPUDrafter(DrafterRuntime):
         # the reduced head as 8-bit blocks or bf16 where exact (the shipped drafter's): fewer bytes, same bits
         self.head = (Linear(ref.lm_head.weight, kernel, compact=built is not None, int8=self.int8)
                      if ref.cfg.reduced_vocab else None)
+        # the whole draft as one call (DecoderStack.draft) where every layer sees the whole context and block: after a
+        # target pass has streamed its weights through the caches, each small torch op of a draft runs cold
+        self.one_call = self.context and all(ref.cfg.layer_attention(i) == (None, False) for i in range(len(ref.layers)))
+        self.head_in_stack = self.one_call and stack.set_head(built, None if self.head is None else self.head.compact,
+                                                              ref.norm.weight, ref.norm.eps)
         self.stack = built
         self.watch = WeightsWatch(ref.parameters)
 
@@ -300,8 +305,11 @@ class CPUDrafter(DrafterRuntime):
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """DFlashDrafter.draft: logits [length - 1, draft vocab] for block positions 1..length-1."""
         self._current()  # once per draft: are its copies still the weights'?
-        flush_context(cache, self._context)
         ref = self.model
+        length = length or ref.block_size
+        if self.one_call and 2 <= length <= stack.MAX_ROWS and ref.attention_backend == "sdpa":
+            return self._one_call_draft(cache, int(bonus[0]), length)
+        flush_context(cache, self._context)
         h, cos, sin, visibility = ref.block_inputs(cache, bonus, length)
         if len({id(v) for v in visibility}) == 1 and stack.usable(self.stack, h.shape[0], ref.attention_backend,
                                                                    visibility[0]):
@@ -310,6 +318,22 @@ class CPUDrafter(DrafterRuntime):
         else:
             hidden = ref.norm(ref.block_layers(h, cos, sin, visibility, cache)[1:])
         return self.logits(hidden)
+
+    def _one_call_draft(self, cache: KVCache, bonus: int, length: int) -> torch.Tensor:
+        """draft() through DecoderStack.draft: the queued context, the block's inputs, layers, final norm and head in
+        one C++ call, with the bits of the calls one by one (tests/test_cpu_stack.py)."""
+        ref = self.model
+        features = cache.take_pending() if isinstance(cache, ContextCache) else None
+        if features is not None and (features.shape[0] > stack.MAX_ROWS or features.dtype != torch.float32):
+            self._context(cache, features)  # a prompt's context: wider than the stack's passes
+            features = None
+        n = 0 if features is None else features.shape[0]
+        cos, sin = ref.rotary.table(cache.length + n + length, torch.float32)
+        out = self.stack.draft(features, ref.target.embed_table(), bonus, ref.cfg.mask_token_id, length, cos, sin,
+                               cache.k, cache.v, cache.length)
+        if n:
+            cache.commit(n)
+        return out if self.head_in_stack else self.logits(out)
 
     def refresh(self) -> "CPUDrafter":
         """Re-make the copies of the weights from their current values (see CPUTarget.refresh)."""

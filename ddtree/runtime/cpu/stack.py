@@ -111,6 +111,15 @@ def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers, int8: bool 
     return True
 
 
+def set_head(stack, head, norm: torch.Tensor, eps: float) -> bool:
+    """Give a drafter's stack its final norm and reduced head for its one-call draft (DecoderStack.draft): `head` a
+    compact copy (compact_copy) or None (the draft then returns the normed hidden states). True where the head is the
+    stack's."""
+    fused = head is not None and _coverable(head)
+    stack.set_head(_add(stack, head, None, None, False) if fused else -1, norm.detach().float().contiguous(), eps)
+    return fused
+
+
 def packs(layers) -> bool:
     """Does build() give these layers' float32 weights packed copies (up to PACK_MAX_BYTES in all)? Then the row
     kernel runs their 1-row passes too, and no transposes are made for torch's GEMV."""
