@@ -20,6 +20,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <vector>
 
 namespace ddtree {
@@ -294,53 +295,93 @@ class Stack {
     }
   }
 
-  // A drafter's final norm and reduced head (a linear of this stack; -1: none, draft() returns the normed
-  // hidden states and the caller applies the target's head).
-  void set_head(int64_t head_id, torch::Tensor norm, double norm_eps) {
-    TORCH_CHECK(norm.numel() == H && norm.scalar_type() == torch::kFloat32, "set_head: norm must be float32 [hidden]");
+  // The final norm of a pass, and a drafter's reduced head (a linear of this stack; -1: none, and draft()
+  // returns the normed hidden states, to which the caller applies the target's head).
+  void set_output(int64_t head_id, torch::Tensor norm, double norm_eps) {
+    TORCH_CHECK(norm.numel() == H && norm.scalar_type() == torch::kFloat32, "set_output: norm must be float32 [hidden]");
     has_head = head_id >= 0;
     if (has_head) head = linears.at(head_id);
     final_norm = norm.contiguous();
     final_eps = float(norm_eps);
   }
 
+  // A target's pass from its token ids as one call (CPUTarget.__call__): the rows of `embed` [V, H] at `tokens`
+  // [N], the rows of the rotary tables cos_table / sin_table [P, D] at `positions` [N], the layers (forward()), then
+  // the final norm (set_output) of every row, or of the last one only (last_only) -> {normed hidden [N or 1, H],
+  // taps}. The functions of the calls one by one in their order: the same bits.
+  std::vector<torch::Tensor> embed_forward(torch::Tensor tokens, torch::Tensor positions, torch::Tensor embed,
+                                           torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor k_cache,
+                                           torch::Tensor v_cache, int64_t past, c10::optional<torch::Tensor> ancestors,
+                                           std::vector<int64_t> taps, bool last_only) {
+    TORCH_CHECK(final_norm.defined(), "embed_forward: this stack has no final norm (set_output)");
+    const int64_t N = tokens.numel();
+    TORCH_CHECK(tokens.scalar_type() == torch::kLong && positions.scalar_type() == torch::kLong &&
+                    positions.numel() == N && tokens.dim() == 1 && positions.dim() == 1,
+                "embed_forward: tokens and positions must be int64 [N] alike");
+    const torch::Tensor ids = tokens.contiguous(), pos = positions.contiguous();
+    const int64_t* p = pos.data_ptr<int64_t>();
+    torch::Tensor h = gather(embed, ids.data_ptr<int64_t>(), N, H, "tokens");
+    torch::Tensor cos = gather(cos_table, p, N, D, "positions"), sin = gather(sin_table, p, N, D, "positions");
+    std::vector<torch::Tensor> out = forward(h, cos, sin, k_cache, v_cache, past, ancestors, taps);
+    out[0] = normed(out[0], last_only ? N - 1 : 0);
+    return out;
+  }
+
   // A DFlash draft as one call (DFlashDrafter.draft with every layer seeing the whole context and block): the
   // queued context features [n, F] (or none) -> K/V at cache rows [past, past + n) (context()); the block
   // [bonus, mask x (length - 1)], gathered from `embed` [V, H], at positions past + n + [0, length) (cos_table,
-  // sin_table [>= past + n + length, D]: the rotary table's rows), through the layers (its K/V pending rows after
-  // the context); the final norm of rows 1..length-1; the head -> logits [length - 1, draft vocab] (set_head; else
-  // the normed hidden [length - 1, H]). The same functions in the same order as those calls one by one, so the
-  // same bits; after a target pass each torch op of those calls costs tens of microseconds, this one a few.
+  // sin_table [>= past + n + length, D]: the rotary tables), through the layers (its K/V pending rows after the
+  // context); the final norm of rows 1..length-1; the head -> logits [length - 1, draft vocab] (set_output; else the
+  // normed hidden [length - 1, H]). The functions of the calls one by one in their order: the same bits.
   torch::Tensor draft(c10::optional<torch::Tensor> features, torch::Tensor embed, int64_t bonus, int64_t mask,
                       int64_t length, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor k_cache,
                       torch::Tensor v_cache, int64_t past) {
-    TORCH_CHECK(final_norm.defined(), "draft: this stack has no final norm (set_head)");
-    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.scalar_type() == torch::kFloat32 &&
-                    embed.is_contiguous() && embed.device().is_cpu(),
-                "draft: embed must be a contiguous float32 CPU table [vocab, hidden]");
-    TORCH_CHECK(bonus >= 0 && bonus < embed.size(0) && mask >= 0 && mask < embed.size(0),
-                "draft: bonus ", bonus, " or mask ", mask, " outside the vocabulary of ", embed.size(0));
+    TORCH_CHECK(final_norm.defined(), "draft: this stack has no final norm (set_output)");
     TORCH_CHECK(length >= 2, "draft: a block of at least 2 positions");
     const int64_t n = features ? features->size(0) : 0;
-    for (const auto* t : {&cos_table, &sin_table})
-      TORCH_CHECK(t->dim() == 2 && t->size(0) >= past + n + length && t->size(1) == D &&
-                      t->scalar_type() == torch::kFloat32 && t->is_contiguous(),
-                  "draft: cos_table and sin_table must be contiguous float32 [>= ", past + n + length, ", head_dim]");
-    if (n > 0) context(*features, cos_table.narrow(0, past, n), sin_table.narrow(0, past, n), k_cache, v_cache, past);
-    torch::Tensor h = torch::empty({length, H}, embed.options());
-    const float* table = embed.data_ptr<float>();
-    float* hp = h.data_ptr<float>();
-    std::copy(table + bonus * H, table + (bonus + 1) * H, hp);
-    for (int64_t i = 1; i < length; ++i) std::copy(table + mask * H, table + (mask + 1) * H, hp + i * H);
-    const torch::Tensor out = forward(h, cos_table.narrow(0, past + n, length), sin_table.narrow(0, past + n, length),
-                                      k_cache, v_cache, past + n, c10::nullopt, {})[0];
-    torch::Tensor hidden = torch::empty({length - 1, H}, out.options());
-    for (int64_t i = 1; i < length; ++i)
-      rmsnorm(out.data_ptr<float>() + i * H, final_norm.data_ptr<float>(), final_eps, H, hidden.data_ptr<float>() + (i - 1) * H);
+    std::vector<int64_t> rows(std::max(n, length));
+    if (n > 0) {
+      std::iota(rows.begin(), rows.begin() + n, past);
+      context(*features, gather(cos_table, rows.data(), n, D, "positions"),
+              gather(sin_table, rows.data(), n, D, "positions"), k_cache, v_cache, past);
+    }
+    std::iota(rows.begin(), rows.begin() + length, past + n);
+    std::vector<int64_t> block(length, mask);
+    block[0] = bonus;
+    torch::Tensor cos = gather(cos_table, rows.data(), length, D, "positions");
+    torch::Tensor sin = gather(sin_table, rows.data(), length, D, "positions");
+    const torch::Tensor out = forward(gather(embed, block.data(), length, H, "tokens"), cos, sin, k_cache, v_cache,
+                                      past + n, c10::nullopt, {})[0];
+    const torch::Tensor hidden = normed(out, 1);
     return has_head ? head(hidden) : hidden;
   }
 
  private:
+  // Rows id[0..M) of a contiguous float32 table [R, width] -> [M, width]; an id outside 0..R-1 is an error.
+  static torch::Tensor gather(const torch::Tensor& table, const int64_t* id, int64_t M, int64_t width,
+                              const char* what) {
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == width && table.scalar_type() == torch::kFloat32 &&
+                    table.is_contiguous() && table.device().is_cpu(),
+                "a contiguous float32 CPU table [rows, ", width, "] for the ", what);
+    const int64_t R = table.size(0);
+    torch::Tensor out = torch::empty({M, width}, table.options());
+    const float* src = table.data_ptr<float>();
+    for (int64_t i = 0; i < M; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < R, what, " ", id[i], " outside the table's 0..", R - 1);
+      std::copy(src + id[i] * width, src + (id[i] + 1) * width, out.data_ptr<float>() + i * width);
+    }
+    return out;
+  }
+
+  // The final norm (set_output) of rows first.. of x [N, H] -> [N - first, H].
+  torch::Tensor normed(const torch::Tensor& x, int64_t first) const {
+    torch::Tensor out = torch::empty({x.size(0) - first, H}, x.options());
+    for (int64_t i = first; i < x.size(0); ++i)
+      rmsnorm(x.data_ptr<float>() + i * H, final_norm.data_ptr<float>(), final_eps, H,
+              out.data_ptr<float>() + (i - first) * H);
+    return out;
+  }
+
   void check_rope(const torch::Tensor& cos, const torch::Tensor& sin, int64_t n) const {
     TORCH_CHECK(cos.sizes() == torch::IntArrayRef({n, D}) && sin.sizes() == cos.sizes() &&
                     cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32,
@@ -685,7 +726,7 @@ class Stack {
   Linear ctx_fc;  // the drafter's context (add_context): fc, hidden_norm's weight, per layer its k;v projection
   torch::Tensor ctx_norm;
   std::vector<Linear> ctx_kv;
-  Linear head;  // a drafter's reduced head and final norm (set_head)
+  Linear head;  // a pass's final norm and a drafter's reduced head (set_output)
   bool has_head = false;
   torch::Tensor final_norm;
   float final_eps = 0.f;
@@ -832,7 +873,10 @@ void bind_decoder(pybind11::module& mod) {
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")
       .def("forward", &Stack::forward, "h, cos, sin, k_cache, v_cache, past, ancestors, taps -> [h, taps]")
       .def("add_context", &Stack::add_context, "fc, hidden_norm weight, per layer its k;v linear: the drafter's context")
-      .def("set_head", &Stack::set_head, "head (a linear's index, or -1), final norm weight and eps: for draft()")
+      .def("set_output", &Stack::set_output, "head (a linear's index, or -1), final norm weight, eps: for "
+           "embed_forward() and draft()")
+      .def("embed_forward", &Stack::embed_forward, "tokens, positions, embed, cos_table, sin_table, k_cache, v_cache, "
+           "past, ancestors, taps, last_only -> [normed hidden, taps]: a target's pass from its token ids")
       .def("draft", &Stack::draft, "features or None, embed, bonus, mask, length, cos_table, sin_table, k_cache, "
            "v_cache, past -> a drafter's block logits (or normed hidden) [length - 1, V]")
       .def("context", &Stack::context, "features, cos, sin, k_cache, v_cache, past: the drafter's context K/V");

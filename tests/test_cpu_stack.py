@@ -381,15 +381,44 @@ def test_a_draft_in_one_call_has_the_bits_of_its_calls_one_by_one(int8, reduced)
     assert torch.equal(fused_cache.v[:, :, rows], calls_cache.v[:, :, rows])
 
 
-def test_a_one_call_draft_names_what_is_wrong_with_its_input():
+@pytest.mark.parametrize("last_only", [False, True])
+def test_a_target_pass_from_token_ids_has_the_bits_of_its_calls_one_by_one(last_only):
+    """CPUTarget's pass through DecoderStack.embed_forward (the embedding, the rotary rows, the layers and the final
+    norm in one call) equals the embedding, rotary, stack.forward and rms_norm calls one by one, bit for bit: a tree's
+    positions and ancestors, with taps."""
+    target = random_target("qwen3", seed=9, init_scale=0.25)
+    cache = prefilled(target)
+    past, n, ref = cache.length, 6, target.model
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    vis = tree_visibility(past, n)
+    positions = past + vis.ancestors.sum(1) - 1  # each node's depth
+    out = target(tokens, positions, cache, vis, (0, 2), last_only=last_only)
+    fast_k = cache.k[:, :, past:past + n].clone()
+    with torch.inference_mode():  # as a pass runs
+        h = ref.embed(tokens)
+        cos, sin = ref.rotary(positions, h.dtype)
+        h, taps = target.stack.forward(h, cos, sin, cache.k, cache.v, past, vis.ancestors, [0, 2])
+        norm = ref.model.norm
+        logits = target.logits(target.kernel.rms_norm(h[-1:] if last_only else h, norm.weight, norm.eps))
+    assert torch.equal(out.logits, logits) and torch.equal(out.taps, taps)
+    assert torch.equal(cache.k[:, :, past:past + n], fast_k)
+
+
+def test_one_call_passes_name_what_is_wrong_with_their_input():
+    """DecoderStack.draft and .embed_forward check the ids against their tables and the tables' layout."""
     target, drafter = random_pair("llama", seed=3, num_draft_layers=2, init_scale=0.25)
     cos, sin = drafter.model.rotary.table(64, torch.float32)
-    cache = drafter.new_cache(32)
-    embed = target.embed_table()
-    with pytest.raises(RuntimeError, match="bonus 100000 or mask .* outside the vocabulary"):
+    cache, embed, vocab = drafter.new_cache(32), target.embed_table(), target.cfg.vocab_size
+    with pytest.raises(RuntimeError, match=f"tokens 100000 outside the table's 0..{vocab - 1}"):
         drafter.stack.draft(None, embed, 100000, 1, 4, cos, sin, cache.k, cache.v, 0)
-    with pytest.raises(RuntimeError, match="cos_table and sin_table must be contiguous float32"):
+    with pytest.raises(RuntimeError, match="positions 2 outside the table's 0..1"):
         drafter.stack.draft(None, embed, 1, 1, 4, cos[:2], sin[:2], cache.k, cache.v, 0)
+    with pytest.raises(RuntimeError, match="a contiguous float32 CPU table .* for the positions"):
+        drafter.stack.draft(None, embed, 1, 1, 4, cos[::2], sin[::2], cache.k, cache.v, 0)
+    tcache = target.new_cache(32)
+    with pytest.raises(RuntimeError, match="tokens and positions must be int64"):
+        target.stack.embed_forward(torch.tensor([1, 2], dtype=torch.int32), torch.arange(2), embed, cos, sin,
+                                   tcache.k, tcache.v, 0, None, [], False)
 
 
 def test_drafter_context_through_the_stack_matches_eager():

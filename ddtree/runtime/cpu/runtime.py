@@ -127,6 +127,8 @@ class CPUTarget(TargetRuntime):
         self.stack = stack.build(ref.cfg, ref.model.layers, layer_blocks, kernel) if kernel and ref.fused else None
         if self.stack is None:
             self.blocks = None  # they serve the stack and the head's narrow passes alongside it
+        else:
+            stack.set_output(self.stack, ref.model.norm.weight, ref.model.norm.eps)
         head_blocks = self.blocks.head if self.blocks is not None else None
         # the separate-projection layout (fuse(False)) is the reference's: no copies of the weights for it
         small = ref.fused and sum(p.numel() for p in ref.parameters()) <= TRANSPOSED_MAX_PARAMS
@@ -153,13 +155,13 @@ class CPUTarget(TargetRuntime):
         """TargetModel.forward, through the stack where it takes the pass."""
         self._follow_weights()
         ref = self.model
-        if stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):  # all layers in one C++ call
-            h = ref.embed(tokens)  # [N, H]
-            cos, sin = ref.rotary(positions, h.dtype)
-            h, features = self.stack.forward(h, cos, sin, cache.k, cache.v, cache.length, vis.ancestors,
-                                             list(tap_layers))
-            norm = ref.model.norm
-            hidden = self.kernel.rms_norm(h[-1:] if last_only else h, norm.weight, norm.eps)
+        if stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):
+            # the embedding, the rotary rows, all layers and the final norm in one C++ call: after the previous pass
+            # has streamed the weights through the caches, each small torch op around them would run cold
+            cos, sin = ref.rotary.table(cache.length + tokens.shape[0], torch.float32)  # positions < past + N
+            hidden, features = self.stack.embed_forward(tokens if tokens.dtype == torch.long else tokens.long(),
+                                                        positions, ref.embed_table(), cos, sin, cache.k, cache.v,
+                                                        cache.length, vis.ancestors, list(tap_layers), last_only)
             features = features if tap_layers else None
         else:
             hidden, features = ref.hidden_states(tokens, positions, cache, vis, tap_layers, last_only)
@@ -253,8 +255,8 @@ class CPUDrafter(DrafterRuntime):
         # the whole draft as one call (DecoderStack.draft) where every layer sees the whole context and block: after a
         # target pass has streamed its weights through the caches, each small torch op of a draft runs cold
         self.one_call = self.context and all(ref.cfg.layer_attention(i) == (None, False) for i in range(len(ref.layers)))
-        self.head_in_stack = self.one_call and stack.set_head(built, None if self.head is None else self.head.compact,
-                                                              ref.norm.weight, ref.norm.eps)
+        self.head_in_stack = self.one_call and stack.set_output(built, ref.norm.weight, ref.norm.eps,
+                                                                None if self.head is None else self.head.compact)
         self.stack = built
         self.watch = WeightsWatch(ref.parameters)
 

@@ -111,12 +111,12 @@ def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers, int8: bool 
     return True
 
 
-def set_head(stack, head, norm: torch.Tensor, eps: float) -> bool:
-    """Give a drafter's stack its final norm and reduced head for its one-call draft (DecoderStack.draft): `head` a
-    compact copy (compact_copy) or None (the draft then returns the normed hidden states). True where the head is the
-    stack's."""
+def set_output(stack, norm: torch.Tensor, eps: float, head=None) -> bool:
+    """Give a stack the final norm of its one-call passes (DecoderStack.embed_forward, .draft) and a drafter's
+    reduced head: `head` a compact copy (compact_copy) or None (a draft then returns the normed hidden states). True
+    where the head is the stack's."""
     fused = head is not None and _coverable(head)
-    stack.set_head(_add(stack, head, None, None, False) if fused else -1, norm.detach().float().contiguous(), eps)
+    stack.set_output(_add(stack, head, None, None, False) if fused else -1, norm.detach().float().contiguous(), eps)
     return fused
 
 
