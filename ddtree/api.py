@@ -162,7 +162,7 @@ class Pair:
                  max_new_tokens: int = 256, seed: int | None = None, chat: bool = True, trace: bool = False,
                  stop=None, stop_token_ids=None) -> GenerationResult:
         """method: 'ar', 'dflash', 'ddtree', 'ddtree:N' or 'ddtree:auto'; budget: a bare ddtree's budget
-        (None: method_spec.default_budget: `auto` on a CPU, 64 on a GPU). trace=True keeps a per-step tree trace in the result.
+        (None: the device's default, `auto` with the context lookup on a CPU, 64 on a GPU; method_spec.MethodSpec.parse). trace=True keeps a per-step tree trace in the result.
         prompt: a string, a list of token ids, or a conversation [{"role": ..., "content": ...}, ...].
         stop: a string or list of strings; stop_token_ids: ids that end the generation beside the model's EOS.
         The text ends before the first stop string (the stop is not in it); token_ids end with the token that

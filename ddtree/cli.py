@@ -20,8 +20,8 @@ from .train.cli import main as train_main
 
 def _decode_args(p: argparse.ArgumentParser, template_optional: bool = True) -> None:
     p.add_argument("--budget", help=f"a bare ddtree's draft nodes per step, or 'auto' (adaptive; from a verify-cost "
-                                    f"curve measured once per machine; default: auto on a CPU, "
-                                    f"{DEFAULT_BUDGET} on a GPU)")
+                                    f"curve measured once per machine; default: auto with the context lookup on a "
+                                    f"CPU, {DEFAULT_BUDGET} on a GPU)")
     p.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="requests that may wait to decode; one more is answered 429 (default: %(default)s)")
     srv.add_argument("--method", default="ddtree", help="the default method of a request without a \"ddtree\" "
                                                         "field: ar, dflash, ddtree, ddtree:N, ddtree:auto")
-    srv.add_argument("--budget", help="the default budget of a bare ddtree (default: auto on a CPU)")
+    srv.add_argument("--budget", help="the default budget of a bare ddtree (default: auto with the context lookup on "
+                                      "a CPU)")
     srv.add_argument("--block-size", type=int, help="drafter block size (default: the drafter's own)")
     srv.add_argument("--temperature", type=float, default=0.0, help="a request's default (default: %(default)s)")
     srv.add_argument("--top-p", type=float, default=1.0)

@@ -183,9 +183,10 @@ def test_the_readme_options_exist_with_the_choices_it_states():
 
 
 def test_the_dtype_and_budget_defaults_are_the_readmes():
-    """README: `dtype=None` picks bfloat16 on CUDA and float32 on every CPU; budget=None: auto on a CPU, 64 on a GPU."""
+    """README: `dtype=None` picks bfloat16 on CUDA and float32 on every CPU; a bare ddtree with budget=None:
+    ddtree:auto+lookup on a CPU, ddtree:64 on a GPU."""
     from ddtree.models.loading import default_dtype
-    from ddtree.engine.method_spec import default_budget
+    from ddtree.engine.method_spec import MethodSpec
 
     text = " ".join((ROOT / "README.md").read_text().split())
     assert "float32 on every CPU" in text and "bfloat16 on CUDA" in text
@@ -193,8 +194,8 @@ def test_the_dtype_and_budget_defaults_are_the_readmes():
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
     help_text = options(subcommand(cli_parser(), "generate"))["--dtype"].help
     assert "float32 on every CPU" in help_text and "bfloat16 on CUDA" in help_text, help_text
-    assert "auto on a CPU, 64 on a GPU" in text
-    assert default_budget(torch.device("cpu")) == "auto" and default_budget(torch.device("cuda")) == 64
+    cpu, gpu = (MethodSpec.parse("ddtree", device=torch.device(d)).label for d in ("cpu", "cuda"))
+    assert f"`{cpu}` on a CPU and `{gpu}` on a GPU" in text and (cpu, gpu) == ("ddtree:auto+lookup", "ddtree:64")
 
 
 # --- the layout table and the docs index ------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 from ddtree.api import Pair
 from ddtree.base.config import ConfigError
 from ddtree.engine.decoder import AR, AdaptiveDDTree, DDTree, DFlash, make_method
-from ddtree.engine.method_spec import AUTO, DEFAULT_BUDGET, MethodSpec, default_budget, parse_budget, parse_methods
+from ddtree.engine.method_spec import AUTO, DEFAULT_BUDGET, MethodSpec, default_budget, default_lookup, parse_budget, parse_methods
 from ddtree.engine.stats import StageTimer
 from ddtree.bench.testing import random_pair
 
@@ -52,20 +52,26 @@ def test_parse_methods_expands_bare_ddtree_and_puts_ar_first():
             parse_methods("ddtree", budgets)
 
 
-def test_bare_ddtree_defaults_to_auto_on_a_cpu_and_to_a_fixed_budget_elsewhere():
+def test_bare_ddtree_defaults_to_auto_with_the_lookup_on_a_cpu_and_to_a_fixed_budget_elsewhere():
     assert default_budget("cpu") == default_budget(torch.device("cpu")) == AUTO
     assert default_budget("cuda:1") == default_budget(torch.device("cuda")) == DEFAULT_BUDGET
     assert default_budget(None) == DEFAULT_BUDGET  # device not known yet
-    assert MethodSpec.parse("ddtree", device="cpu").adaptive
-    assert MethodSpec.parse("ddtree", 8, device="cpu").budget == 8  # an explicit budget wins
-    assert MethodSpec.parse("ddtree", device="cuda").budget == DEFAULT_BUDGET
-    assert [s.label for s in parse_methods("ddtree", device="cpu")] == ["ar", "ddtree:auto"]
-    assert [s.label for s in parse_methods("ddtree", "4", device="cpu")] == ["ar", "ddtree:4"]
+    assert default_lookup("cpu") and not default_lookup("cuda") and not default_lookup(None)
+    assert MethodSpec.parse("ddtree", device="cpu").label == "ddtree:auto+lookup"
+    assert MethodSpec.parse("ddtree+lookup", device="cpu").label == "ddtree:auto+lookup"
+    assert MethodSpec.parse("ddtree", 8, device="cpu").label == "ddtree:8"  # an explicit budget wins, without it
+    assert MethodSpec.parse("ddtree", "auto", device="cpu").label == "ddtree:auto"
+    assert MethodSpec.parse("ddtree:auto", device="cpu").label == "ddtree:auto"  # a named method is what it says
+    assert MethodSpec.parse("ddtree", device="cuda").label == f"ddtree:{DEFAULT_BUDGET}"
+    assert [s.label for s in parse_methods("ddtree", device="cpu")] == ["ar", "ddtree:auto+lookup"]
+    assert [s.label for s in parse_methods("ddtree", "4,auto", device="cpu")] == ["ar", "ddtree:4", "ddtree:auto"]
+    assert [s.label for s in parse_methods("ddtree+lookup", "4", device="cpu")] == ["ar", "ddtree:4+lookup"]
 
 
-def test_a_cpu_pair_runs_a_bare_ddtree_with_the_adaptive_budget(pair):
-    assert isinstance(pair.method("ddtree"), AdaptiveDDTree)
-    assert type(pair.method("ddtree", 8)) is DDTree
+def test_a_cpu_pair_runs_a_bare_ddtree_with_the_adaptive_budget_and_the_lookup(pair):
+    default = pair.method("ddtree")
+    assert isinstance(default, AdaptiveDDTree) and default.lookup is not None
+    assert type(pair.method("ddtree", 8)) is DDTree and pair.method("ddtree", 8).lookup is None
 
 
 @pytest.fixture

@@ -97,6 +97,13 @@ def default_budget(device=None) -> int | str:
     return AUTO if getattr(device, "type", str(device).split(":")[0]) == "cpu" else DEFAULT_BUDGET
 
 
+def default_lookup(device=None) -> bool:
+    """Whether a bare `ddtree` given no budget also grafts the context lookup (`ddtree:auto+lookup`): on a CPU, where
+    it measured at or above `ddtree:auto` on every set, in both target modes and at both temperatures
+    (docs/cpu-speed.md); not on a GPU, where it has not been measured."""
+    return device is not None and default_budget(device) == AUTO
+
+
 def parse_budget(value) -> int | str:
     """A DDTree budget: an integer >= 1 (draft nodes per step; int or its decimal string) or 'auto'."""
     if isinstance(value, str):
@@ -162,8 +169,9 @@ class MethodSpec:
     @classmethod
     def parse(cls, method: "str | MethodSpec", budget=None, device=None) -> "MethodSpec":
         """'ddtree:32' -> ddtree at 32 nodes; 'ddtree:32+lookup' with the context lookup. A bare 'ddtree' (or
-        'ddtree+lookup') takes `budget` (None: default_budget(device)); other methods ignore it, but a bad `budget` is
-        refused whatever the method."""
+        'ddtree+lookup') takes `budget`; given none, it is the device's default: default_budget(device), with the
+        lookup where default_lookup(device). Other methods ignore `budget`, but a bad one is refused whatever the
+        method."""
         default = default_budget(device) if budget is None else parse_budget(budget)
         if isinstance(method, MethodSpec):
             return method
@@ -188,13 +196,15 @@ class MethodSpec:
                 return cls(name, parse_budget(explicit))
             except ConfigError as e:
                 raise ConfigError(f"bad budget in {method!r}: {e}; write e.g. ddtree:64 or ddtree:auto") from None
-        return cls(name, default if info is not None and info.takes_budget else None)
+        if info is not None and info.takes_budget:
+            return cls(name, default, lookup=budget is None and default_lookup(device))
+        return cls(name)
 
 
 def parse_methods(methods, budgets=None, device=None) -> list[MethodSpec]:
     """Methods as a comma-separated string or a list, `ar` first (it is the reference), duplicates dropped.
-    A bare `ddtree` expands to one spec per budget in `budgets` (comma-separated or a list; None:
-    default_budget(device))."""
+    A bare `ddtree` expands to one spec per budget in `budgets` (comma-separated or a list; None: the device's
+    default, MethodSpec.parse)."""
     names = methods.split(",") if isinstance(methods, str) else list(methods)
     if isinstance(budgets, str):
         budgets = [b for b in budgets.split(",") if b.strip()]
@@ -207,7 +217,9 @@ def parse_methods(methods, budgets=None, device=None) -> list[MethodSpec]:
             continue
         bare, plus, option = method.strip().partition("+") if isinstance(method, str) else (None, "", "")
         info = METHODS.get(bare) if bare is not None else None
-        if info is not None and info.takes_budget:  # a bare ddtree (+lookup): one spec per budget
+        if info is not None and info.takes_budget and budgets is None:  # a bare ddtree: the device's default
+            specs.append(MethodSpec.parse(method, None, device))
+        elif info is not None and info.takes_budget:  # a bare ddtree (+lookup): one spec per budget
             lookup = MethodSpec.parse(method, budget_list[0]).lookup  # refuses a bad option
             specs += [MethodSpec(info.name, b, lookup=lookup) for b in budget_list]
         else:
