@@ -13,28 +13,48 @@ from ddtree.engine.lookup import ContextLookup
 from ddtree.engine.tree import ancestor_matrix, graft_chain
 
 
-def brute_force_chain(tokens, match, length):
-    """The continuation of the latest earlier occurrence of the last `match` tokens, by scanning."""
+def brute_force_chain(tokens, match, length, longer=()):
+    """The continuation of the latest earlier occurrence of the last `match` tokens, by scanning: `length` tokens, or
+    a longer tier's where that occurrence agrees with the end of `tokens` on at least as many tokens as it needs."""
     key = tokens[-match:]
     for end in range(len(tokens) - 2, match - 2, -1):
         if tokens[end - match + 1:end + 1] == key:
-            return tokens[end + 1:end + 1 + length]
+            agree = next((k for k in range(len(tokens)) if k > end or tokens[end - k] != tokens[-1 - k]), None)
+            n = max([length] + [n for needs, n in longer if agree >= needs])
+            return tokens[end + 1:end + 1 + n]
     return []
 
 
-@pytest.mark.parametrize("match,length", [(1, 3), (2, 4), (3, 4), (4, 8)])
-def test_chain_is_the_latest_earlier_occurrences_continuation(match, length):
+@pytest.mark.parametrize("match,length,longer", [(1, 3, ()), (2, 4, ()), (3, 4, ()), (4, 8, ()), (1, 2, ((3, 5),)),
+                                                 (2, 3, ((4, 6), (7, 9)))])
+def test_chain_is_the_latest_earlier_occurrences_continuation(match, length, longer):
     rng = random.Random(match * 10 + length)
     for _ in range(30):
-        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 60))]
-        lookup = ContextLookup(match, length)
+        tokens = [rng.randrange(3 if longer else 4) for _ in range(rng.randint(1, 60))]
+        lookup = ContextLookup(match, length, longer)
         lookup.start(tokens[:5])
         for i in range(5, len(tokens), 3):  # committed a few at a time, as steps commit them
             lookup.extend(tokens[i:i + 3])
-            assert lookup.chain() == brute_force_chain(tokens[:i + 3], match, length)
+            assert lookup.chain() == brute_force_chain(tokens[:i + 3], match, length, longer)
     assert ContextLookup(3, 4).chain() == []
     with pytest.raises(ValueError, match="match >= 1"):
         ContextLookup(0, 4)
+    with pytest.raises(ValueError, match="longer tiers"):
+        ContextLookup(3, 4, ((6, 3),))
+
+
+def test_a_longer_agreement_copies_further():
+    lookup = ContextLookup()  # the shipped tiers: 3 -> 4, 6 -> 8, 10 -> 12 tokens
+    text = list(range(100, 120))
+    lookup.start(text + [7, 8] + text[:3])  # 3 tokens agree: 4 copied
+    assert lookup.chain() == text[3:7] and lookup.tier == 0
+    lookup.extend(text[3:6])  # 6 agree: 8 copied
+    assert lookup.chain() == text[6:14] and lookup.tier == 1
+    lookup.extend(text[6:10])  # 10 agree: 12 copied
+    assert lookup.chain() == text[10:20] + [7, 8] and lookup.tier == 2
+    lookup.extend(text[10:16])  # 16 agree: still 12
+    assert lookup.chain() == text[16:20] + [7, 8] + text[:6] and lookup.tier == 2
+    assert lookup.length == 12
 
 
 def test_a_new_generation_forgets_the_last():
@@ -82,19 +102,23 @@ def test_lookup_grafts_accepted_chains_and_stays_exact():
 
 def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
     """ddtree:auto+lookup verifies a chain's added nodes when expected tokens per second rise with them, from the
-    yield it has measured: chains that keep missing stop being grafted, and one that matches what is committed
-    (grafted or not) raises the yield again."""
+    yield it has measured for the chain's tier: chains that keep missing stop being grafted, one that matches what
+    is committed (grafted or not) raises the yield again, and each tier learns its own."""
     _, drafter = random_pair("llama", seed=4, block_size=8)
     method = make_method("ddtree:auto+lookup", None, None, drafter)
     method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)  # an added node: 0.1 s on a 1.6 s step of 1 node
     method._last, method._context = ([math.log(0.6)], [1]), None  # the drafter's kept node: 1.6 tokens expected
+    assert method.lookup.tier == 0 and method.graft_yield == [0.5] * 3
     assert method.graft_pays([5, 6], 1, 2, True)  # 2 nodes at the prior 0.5 tokens each: 2.6 / 1.8 > 1.6 / 1.6
-    method.graft_yield = 0.05
+    method.graft_yield[0] = 0.05
     assert not method.graft_pays([5, 6], 1, 2, True)  # 1.7 / 1.8 < 1.6 / 1.6
+    method.lookup.tier = 2
+    assert method.graft_pays([5, 6], 1, 2, True)  # a long agreement's tier keeps its own yield
+    method.lookup.tier = 0
     for _ in range(3):  # a chain that matched nothing committed, past what the drafter's node got
-        method._last, method._chain = ([-0.2], [1]), ([5, 6], 2)
+        method._last, method._chain = ([-0.2], [1]), ([5, 6], 2, 0)
         method.observe([0, 1], [7, 8])
-    assert method.graft_yield < 0.05
-    method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2)
+    assert method.graft_yield[0] < 0.05 and method.graft_yield[2] == 0.5
+    method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2, 0)
     method.observe([0, 1], [7, 8, 9])  # the drafter got 1 token, the chain matched 3: 2 more over its 2 nodes
-    assert method.graft_yield > 0.25
+    assert method.graft_yield[0] > 0.25

@@ -213,7 +213,8 @@ class AdaptiveDDTree(DDTree):
     pay for their rows: each added node is expected to commit `graft_yield` more tokens, an average over the steps
     that had a chain, grafted or not (what the chain would have matched of the committed tokens, beyond what the
     drafter's nodes got), weighted GRAFT_ALPHA per step so that a passage the output copies is found within a
-    step or two.
+    step or two. The yield is learned per tier of the lookup (ContextLookup.tiers: how far the chain's earlier
+    occurrence agrees), since a long agreement copies on far more reliably than a 3-token one.
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
@@ -228,7 +229,7 @@ class AdaptiveDDTree(DDTree):
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the drafter's nodes verified in the current step
-        self._chain: tuple[list[int], int] | None = None  # the step's lookup chain and the nodes it would add
+        self._chain: tuple[list[int], int, int] | None = None  # the step's lookup chain, its nodes to add, its tier
         self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
         # sampling -> (calibration, gate, recent trees, draft length, graft yield)
         self._regimes: dict[SamplingParams, tuple] = {}
@@ -237,8 +238,10 @@ class AdaptiveDDTree(DDTree):
 
     def _fresh(self) -> tuple:
         """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
-        recent trees' (depth, nodes), the next draft's length and the tokens a grafted node adds."""
-        return EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length, self.GRAFT_PRIOR
+        recent trees' (depth, nodes), the next draft's length and the tokens a grafted node adds, per lookup tier."""
+        tiers = len(self.lookup.tiers) if self.lookup is not None else 1
+        return (EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length,
+                [self.GRAFT_PRIOR] * tiers)
 
     def _enter(self, sampling: SamplingParams) -> None:
         """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
@@ -284,10 +287,11 @@ class AdaptiveDDTree(DDTree):
 
     def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
         """The chain's added nodes are verified when expected tokens per second rise with them."""
-        self._chain = (chain, added)
+        tier = self.lookup.tier  # of this chain (ContextLookup.chain)
+        self._chain = (chain, added, tier)
         expected = expected_tokens(*(self._last or ((), ())), self.calibration.c)  # the drafter's b kept nodes
         seconds = self.cost.tree_step_seconds(b + added, self.block_size, self._context, drafted)
-        return (expected + self.graft_yield * added) / seconds[b + added] > expected / seconds[b]
+        return (expected + self.graft_yield[tier] * added) / seconds[b + added] > expected / seconds[b]
 
     def observe(self, path: list[int], committed: list[int]) -> None:
         super().observe(path, committed)
@@ -303,9 +307,9 @@ class AdaptiveDDTree(DDTree):
             self._recent.append((int(max(depths)), len(logp)))
             self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
         if self._chain is not None:  # what the chain matched of the committed tokens, past the drafter's share
-            chain, added = self._chain
+            chain, added, tier = self._chain
             gain = max(0, _common_prefix(chain, committed) - by_drafter) / added
-            self.graft_yield += self.GRAFT_ALPHA * (gain - self.graft_yield)
+            self.graft_yield[tier] += self.GRAFT_ALPHA * (gain - self.graft_yield[tier])
         self._last = self._chain = None
 
 

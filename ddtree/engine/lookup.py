@@ -7,21 +7,31 @@ grafted onto the step's tree as a chain (tree.graft_chain): nodes the tree alrea
 appended. The target verifies every node as it verifies the drafter's, so the output stays exactly the target's.
 
 The index maps each `match`-gram to where it last ended, so a step's lookup and each committed token cost one dict
-access; the chain is the continuation of the most recent earlier occurrence.
+access; the chain is the continuation of the most recent earlier occurrence. The longer that occurrence agrees with
+the text before the root, the further its continuation tends to hold (a function body copied line by line, a number
+and its unit), so the chain runs on for longer: up to `length` tokens, or a longer tier's (`longer`).
 """
 from __future__ import annotations
 
 MATCH = 3  # tokens that must agree (the root and the two before it): 2 proposed more but wrong chains on chat
 LENGTH = 4  # tokens a chain proposes at most (each new node is one more verified row)
+# (tokens that agree at least, tokens the chain proposes at most) beyond MATCH / LENGTH: the further an earlier
+# occurrence agrees, the further its continuation holds (measured on prompts outside the evaluation sets:
+# docs/cpu-speed.md)
+LONGER = ((6, 8), (10, 12))
 
 
 class ContextLookup:
     """The committed tokens of one generation and an index of their `match`-grams."""
 
-    def __init__(self, match: int = MATCH, length: int = LENGTH):
-        if match < 1 or length < 1:
-            raise ValueError(f"context lookup needs match >= 1 and length >= 1, got {match} and {length}")
-        self.match, self.length = match, length
+    def __init__(self, match: int = MATCH, length: int = LENGTH, longer: tuple = LONGER):
+        tiers = ((match, length), *longer)
+        if match < 1 or length < 1 or any(b[0] <= a[0] or b[1] <= a[1] for a, b in zip(tiers, tiers[1:])):
+            raise ValueError(f"context lookup needs match >= 1, length >= 1 and longer tiers that need more agreeing "
+                             f"tokens and propose more, got {tiers}")
+        self.match, self.tiers = match, tiers
+        self.length = tiers[-1][1]  # the longest chain it proposes
+        self.tier = 0  # the tier of the last chain(): an index into tiers
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # match-gram -> index of its last token, latest occurrence
         self._previous: int | None = None  # where the current last match-gram ended before (None: first time)
@@ -42,9 +52,13 @@ class ContextLookup:
                 self._ends[key] = len(history) - 1
 
     def chain(self) -> list[int]:
-        """The tokens that followed the last match-gram's previous occurrence (at most `length`; [] when it has
-        none)."""
+        """The tokens that followed the last match-gram's previous occurrence ([] when it has none): as many as the
+        longest tier whose agreement that occurrence reaches allows (self.tier)."""
         if self._previous is None:
             return []
-        start = self._previous + 1
-        return self.tokens[start:start + self.length]
+        history, end, last = self.tokens, self._previous, len(self.tokens) - 1
+        agree, most = self.match, self.tiers[-1][0]
+        while agree < most and end - agree >= 0 and history[end - agree] == history[last - agree]:
+            agree += 1
+        self.tier = max(i for i, (needs, _) in enumerate(self.tiers) if agree >= needs)
+        return history[end + 1:end + 1 + self.tiers[self.tier][1]]
