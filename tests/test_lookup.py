@@ -122,3 +122,39 @@ def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
     method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2, 0)
     method.observe([0, 1], [7, 8, 9])  # the drafter got 1 token, the chain matched 3: 2 more over its 2 nodes
     assert method.graft_yield[0] > 0.25
+
+
+def test_auto_judges_a_chain_once_the_text_reaches_its_end():
+    """A chain that was not grafted is judged on the text the next steps commit, not only on its own step's tokens
+    (the drafter's and the bonus): judged at once, its later tokens would count as misses."""
+    _, drafter = random_pair("llama", seed=4, block_size=8)
+    method = make_method("ddtree:auto+lookup", None, None, drafter)
+    method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)
+    method.start([1, 2, 3])
+    method._last, method._chain = ([-0.2], [1]), ([4, 5, 6, 7], 4, 0)  # the drafter's node got 4, the bonus was 5
+    method.observe([0, 1], [4, 5])
+    assert method.graft_yield[0] == 0.5  # 2 of its 4 tokens are in the text so far: not judged yet
+    method.observe([0], [6])
+    assert method.graft_yield[0] == 0.5
+    method.observe([0], [7])  # all 4 right; the drafter had 1 of them: 3 more over its 4 nodes
+    assert method.graft_yield[0] == pytest.approx(0.5 + method.GRAFT_ALPHA * (0.75 - 0.5))
+    method._chain = ([8, 8], 2, 1)
+    method.observe([0], [9])
+    method.start([1, 2])  # a new generation: the unjudged chain is dropped
+    method.observe([0], [8])
+    method.observe([0], [8])
+    assert method.graft_yield[1] == 0.5
+
+
+def test_a_sampled_generation_copies_first_tier_chains_only():
+    """Longer chains after longer agreements are for greedy decoding: a sampled generation's lookup stops at the
+    first tier's length, and the next greedy one uses every tier again."""
+    from ddtree.base.config import SamplingParams
+
+    target, drafter = random_pair("llama", seed=4, block_size=8)
+    method = make_method("ddtree:2+lookup", None, None, drafter)
+    text = list(range(20, 40))
+    for sampling, tier, chain in ((SamplingParams(temperature=1.0), 0, text[10:14]), (None, 2, text[10:20] + [7, 20])):
+        method.prepare(target, drafter, sampling)
+        method.start(text + [7] + text[:10])
+        assert method.lookup.chain() == chain and method.lookup.tier == tier

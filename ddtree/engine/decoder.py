@@ -150,6 +150,12 @@ class DDTree(Method):
     def max_nodes(self) -> int:
         return self.budget + 1 + (self.lookup.length if self.lookup is not None else 0)
 
+    def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
+        """A sampled generation copies its context less faithfully than a greedy one: its lookup proposes chains of
+        the first tier's length only (docs/cpu-speed.md)."""
+        if self.lookup is not None:
+            self.lookup.top = len(self.lookup.tiers) - 1 if sampling is None or sampling.greedy else 0
+
     def start(self, context: list[int]) -> None:
         if self.lookup is not None:
             self.lookup.start(context)
@@ -211,10 +217,12 @@ class AdaptiveDDTree(DDTree):
 
     With a context lookup (ddtree:auto+lookup) it grafts a step's chain only where the rule says the nodes it adds
     pay for their rows: each added node is expected to commit `graft_yield` more tokens, an average over the steps
-    that had a chain, grafted or not (what the chain would have matched of the committed tokens, beyond what the
-    drafter's nodes got), weighted GRAFT_ALPHA per step so that a passage the output copies is found within a
-    step or two. The yield is learned per tier of the lookup (ContextLookup.tiers: how far the chain's earlier
-    occurrence agrees), since a long agreement copies on far more reliably than a 3-token one.
+    that had a chain, grafted or not (what the chain matched of the text, beyond what the drafter's nodes got),
+    weighted GRAFT_ALPHA per chain so that a passage the output copies is found within a step or two. A chain is
+    judged once the text has reached its end, a step or a few later: a step that did not graft it commits only the
+    drafter's tokens and the bonus, and judging it on those alone would count its later tokens as misses. The yield
+    is learned per tier of the lookup (ContextLookup.tiers: how far the chain's earlier occurrence agrees), since a
+    long agreement copies on far more reliably than a 3-token one.
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
@@ -230,6 +238,8 @@ class AdaptiveDDTree(DDTree):
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the drafter's nodes verified in the current step
         self._chain: tuple[list[int], int, int] | None = None  # the step's lookup chain, its nodes to add, its tier
+        # chains not judged yet: (where the chain starts in the lookup's text, chain, added, tier, drafter's tokens)
+        self._unjudged: list[tuple[int, list[int], int, int, int]] = []
         self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
         # sampling -> (calibration, gate, recent trees, draft length, graft yield)
         self._regimes: dict[SamplingParams, tuple] = {}
@@ -253,7 +263,12 @@ class AdaptiveDDTree(DDTree):
     def longest_draft(self) -> int:
         return self.max_length
 
+    def start(self, context: list[int]) -> None:
+        super().start(context)
+        self._unjudged = []  # a chain of the last generation is judged against its own text or not at all
+
     def prepare(self, target, drafter, sampling: SamplingParams | None = None) -> None:
+        super().prepare(target, drafter, sampling)
         self._enter(SamplingParams() if sampling is None or sampling.greedy else sampling)
         if self.cost is None:
             self.cost = verify_costs(target, drafter, self.max_length, self.budget + 1)  # a grafted chain: extrapolated
@@ -306,11 +321,24 @@ class AdaptiveDDTree(DDTree):
             self.gate.update(by_drafter + 1, self.cost.tree_step_seconds(b, self.block_size, self._context)[-1])
             self._recent.append((int(max(depths)), len(logp)))
             self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
-        if self._chain is not None:  # what the chain matched of the committed tokens, past the drafter's share
+        if self._chain is not None:  # the step's chain starts at its first committed token
             chain, added, tier = self._chain
-            gain = max(0, _common_prefix(chain, committed) - by_drafter) / added
-            self.graft_yield[tier] += self.GRAFT_ALPHA * (gain - self.graft_yield[tier])
+            self._unjudged.append((len(self.lookup.tokens) - len(committed), chain, added, tier, by_drafter))
+        if self._unjudged:
+            self._judge_chains()
         self._last = self._chain = None
+
+    def _judge_chains(self) -> None:
+        """The graft yield of each chain whose span the text now covers: what it matched of the text, past the
+        drafter's share of its step, per node it added."""
+        text, waiting = self.lookup.tokens, []
+        for start, chain, added, tier, by_drafter in self._unjudged:
+            if len(text) < start + len(chain):
+                waiting.append((start, chain, added, tier, by_drafter))
+                continue
+            gain = max(0, _common_prefix(chain, text[start:start + len(chain)]) - by_drafter) / added
+            self.graft_yield[tier] += self.GRAFT_ALPHA * (gain - self.graft_yield[tier])
+        self._unjudged = waiting
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

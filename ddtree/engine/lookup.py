@@ -31,6 +31,7 @@ class ContextLookup:
                              f"tokens and propose more, got {tiers}")
         self.match, self.tiers = match, tiers
         self.length = tiers[-1][1]  # the longest chain it proposes
+        self.top = len(tiers) - 1  # the highest tier chain() may use (greedy: all; sampled: the first, DDTree.prepare)
         self.tier = 0  # the tier of the last chain(): an index into tiers
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # match-gram -> index of its last token, latest occurrence
@@ -53,12 +54,12 @@ class ContextLookup:
 
     def chain(self) -> list[int]:
         """The tokens that followed the last match-gram's previous occurrence ([] when it has none): as many as the
-        longest tier whose agreement that occurrence reaches allows (self.tier)."""
+        longest tier (up to `top`) whose agreement that occurrence reaches allows (self.tier)."""
         if self._previous is None:
             return []
         history, end, last = self.tokens, self._previous, len(self.tokens) - 1
-        agree, most = self.match, self.tiers[-1][0]
+        agree, most = self.match, self.tiers[self.top][0]
         while agree < most and end - agree >= 0 and history[end - agree] == history[last - agree]:
             agree += 1
-        self.tier = max(i for i, (needs, _) in enumerate(self.tiers) if agree >= needs)
+        self.tier = max(i for i, (needs, _) in enumerate(self.tiers[:self.top + 1]) if agree >= needs)
         return history[end + 1:end + 1 + self.tiers[self.tier][1]]
