@@ -248,6 +248,25 @@ def test_an_interrupted_run_resumes_at_the_missing_repeats(in_process, tmp_path,
     assert [len(r["repeats"]) for r in records(tmp_path)] == [3, 3]
 
 
+def test_records_of_other_code_are_measured_again(in_process, tmp_path, monkeypatch, capsys):
+    """A re-run resumes only a run of the same code: after a change to the package or the kernels (or on another
+    machine), the cached records are not reused, so the README's table never pairs old numbers with a new commit."""
+    import shutil
+
+    monkeypatch.setattr(in_process.LoadMeter, "lap", lambda self: 0.0)
+    kernels = tmp_path / "kernels"
+    shutil.copytree(in_process.kernel_dir(), kernels)
+    monkeypatch.setattr(in_process, "kernel_dir", lambda: kernels)
+    out = tmp_path / "out"
+    assert in_process.main(TINY_ONE + ["--out", str(out)]) == 0
+    assert in_process.main(TINY_ONE + ["--out", str(out)]) == 0
+    assert "1 groups cached" in capsys.readouterr().err  # the same code: reused
+    (kernels / "tree.cpp").write_text((kernels / "tree.cpp").read_text() + "\n// a change\n")
+    assert in_process.main(TINY_ONE + ["--out", str(out)]) == 0
+    assert "0 groups cached" in capsys.readouterr().err
+    assert len((out / "records.jsonl").read_text().splitlines()) == 2 * 2 * 2  # 2 methods x 2 repeats, twice
+
+
 def test_a_prompt_over_the_context_is_refused_before_any_decoding(in_process, tmp_path, capsys):
     """Issue 55: the over-long prompt on line 2 is named (file:line) when the plan is made, exit 2, nothing decoded;
     before, prompt 1 ran first and the run that reached line 2 failed without saying where it came from."""

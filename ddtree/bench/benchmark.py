@@ -50,6 +50,7 @@ from ..base.options import LoadOptions, add_model_args, load_options_from
 from ..base.cache import build_lock
 from .datasets import dataset_name, load_prompt_entries
 from ..base.files import output_dir
+from ..base.kernel_files import kernel_dir
 from ..base.machine_load import LoadMeter, busy_cores, cpu_description, default_threads
 from ..engine.method_spec import SYNTAX, MethodSpec, parse_methods
 from .peers import Peers, available
@@ -178,6 +179,19 @@ def record_key(fields: dict) -> str:
     return hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:20]
 
 
+def code_fingerprint() -> str:
+    """A checksum of the code that decodes (the package's Python files and the kernels' sources): a record measured
+    with other code, or on another machine, is measured again rather than reused (a re-run resumes only a run of
+    the same code)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha1(f"{cpu_description()} torch {torch.__version__}".encode())
+    for root, pattern in ((package, "**/*.py"), (kernel_dir(), "*")):
+        for path in sorted(root.glob(pattern)):
+            if path.is_file() and path.suffix in (".py", ".cpp", ".h"):
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def drafter_fingerprint(pair) -> str:
     """Label plus a checksum of the drafter weights: a newly trained drafter must not reuse cached records."""
     total = sum(float(p.detach().double().sum()) for p in reference(pair.drafter).parameters())
@@ -210,6 +224,7 @@ def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     """One group per dataset x temperature x prompt of target mode `mode` (run on `pair`); each group lists a
     keyed record slot per method."""
     base = dict(target=args.target or "embedded:SmolLM2-135M-Instruct", drafter=drafter_fingerprint(pair),
+                code=code_fingerprint(),
                 dtype=dtype_label(pair), device=pair.device.type, threads=args.threads, repeats=args.repeats,
                 max_new_tokens=args.max_new_tokens, top_p=args.top_p, top_k=args.top_k, block_size=args.block_size,
                 attention=args.attention, **({"inject_mismatch": True} if args.inject_mismatch else {}),
