@@ -210,14 +210,13 @@ def parse_methods(methods, budgets=None, device=None) -> list[MethodSpec]:
         budgets = [b for b in budgets.split(",") if b.strip()]
         if not budgets:
             raise ConfigError("no budgets given: write e.g. 16,64,auto")
-    budget_list = [default_budget(device)] if budgets is None else [parse_budget(b) for b in budgets]
+    budget_list = None if budgets is None else [parse_budget(b) for b in budgets]
     specs = [MethodSpec(REFERENCE)]
     for method in names:
         if isinstance(method, str) and not method.strip():
             continue
-        bare, plus, option = method.strip().partition("+") if isinstance(method, str) else (None, "", "")
-        info = METHODS.get(bare) if bare is not None else None
-        if info is not None and info.takes_budget and budgets is None:  # a bare ddtree: the device's default
+        info = METHODS.get(method.strip().partition("+")[0]) if isinstance(method, str) else None
+        if info is not None and info.takes_budget and budget_list is None:  # a bare ddtree: the device's default
             specs.append(MethodSpec.parse(method, None, device))
         elif info is not None and info.takes_budget:  # a bare ddtree (+lookup): one spec per budget
             lookup = MethodSpec.parse(method, budget_list[0]).lookup  # refuses a bad option

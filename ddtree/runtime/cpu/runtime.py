@@ -292,10 +292,15 @@ class CPUDrafter(DrafterRuntime):
         self._context(cache, features)
 
     @torch.inference_mode()
+    def _stack_takes(self, features: torch.Tensor) -> bool:
+        """Does the stack's context pass take these features [n, taps * H]? float32 rows, at most a stack pass's."""
+        return (bool(self.context) and features.dim() == 2 and features.dtype == torch.float32
+                and features.shape[0] <= stack.MAX_ROWS)
+
     def _context(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlashDrafter.context_pass, as one C++ call instead of ~25 small torch ops where the stack has it."""
         n, ref = features.shape[0], self.model
-        if self.context and features.dim() == 2 and features.dtype == torch.float32 and n <= stack.MAX_ROWS:
+        if self._stack_takes(features):
             positions = torch.arange(cache.length, cache.length + n, device=features.device)
             cos, sin = ref.rotary(positions, features.dtype)
             self.stack.context(features, cos, sin, cache.k, cache.v, cache.length)
@@ -326,7 +331,7 @@ class CPUDrafter(DrafterRuntime):
         one C++ call, with the bits of the calls one by one (tests/test_cpu_stack.py)."""
         ref = self.model
         features = cache.take_pending() if isinstance(cache, ContextCache) else None
-        if features is not None and (features.shape[0] > stack.MAX_ROWS or features.dtype != torch.float32):
+        if features is not None and not self._stack_takes(features):
             self._context(cache, features)  # a prompt's context: wider than the stack's passes
             features = None
         n = 0 if features is None else features.shape[0]
