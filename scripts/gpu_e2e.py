@@ -112,6 +112,30 @@ def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 
     drafter.draft = types.MethodType(draft, drafter)
 
 
+def implicit_syncs(dec, prompt: list[int], method, stops) -> float | None:
+    """Implicit synchronizations per decoding step after the prefill (a .item(), a .tolist(), a pageable copy: what
+    torch's sync debug mode reports), over one generation of `prompt`; None off CUDA."""
+    if DEV.type != "cuda":
+        return None
+    import warnings
+
+    steps = dec.steps(prompt, method, SamplingParams(), 64, stops)
+    next(steps)  # the prefill
+    n = 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            while True:
+                next(steps)
+                n += 1
+        except StopIteration:
+            pass
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught) / max(1, n)
+
+
 def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: int = 20) -> dict:
     """Median ms of one target pass over a chain of N nodes after `context` committed rows (CUDA events)."""
     cache = target.new_cache(context + 300)
@@ -214,6 +238,7 @@ def main():
         refs = {}
         for (m, b), method in made.items():
             new = secs = steps = acc = prefill = 0
+            waits = getattr(dec.ops, "waits", None)  # the staged step operations count their copies back
             stages: dict[str, float] = {}
             verdicts = []
             for i, ids in enumerate(prompts):
@@ -226,6 +251,8 @@ def main():
                     refs[i] = tokens
                 else:
                     verdicts.append("identical" if tokens == refs[i] else verdict(ref_t, ids, refs[i], tokens))
+            waits = None if waits is None else (dec.ops.waits - waits) / max(1, steps)
+            syncs = implicit_syncs(dec, prompts[0], method, stops)
             dec.sync_stages = True  # one more run of the first prompt for per-stage GPU times
             _, st = dec.generate(prompts[0], method, SamplingParams(), args.max_new_tokens, stops)
             dec.sync_stages = False
@@ -235,11 +262,13 @@ def main():
             row = dict(oracle=oracle, mode=mode, method=m, budget=b, tok_s=new / secs, tau=acc / max(1, steps),
                        steps=steps,
                        decode_tok_s=(new - len(prompts)) / max(1e-9, secs - prefill), prefill_s=prefill,
-                       new_tokens=new, ms_per_step=stages, verdicts=verdicts)
+                       new_tokens=new, ms_per_step=stages, waits_per_step=waits, implicit_syncs_per_step=syncs,
+                       verdicts=verdicts)
             rows.append(row)
             print(f"{oracle or '':15s} {mode:7s} {m:7s} B={b or '-':>4} {row['tok_s']:8.1f} tok/s "
                   f"({row['decode_tok_s']:8.1f} decode) "
-                  f"tau={row['tau']:5.2f} "
+                  f"tau={row['tau']:5.2f} waits/step={waits if waits is None else round(waits, 2)} "
+                  f"implicit syncs/step={syncs if syncs is None else round(syncs, 2)} "
                   f"{' '.join(f'{k}={v:.2f}' for k, v in stages.items())} "
                   f"{'all identical' if all(v == 'identical' for v in verdicts) else verdicts}", flush=True)
     for oracle, mode in [(o, m) for o in oracles for m in decoders]:

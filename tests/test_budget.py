@@ -109,6 +109,7 @@ class SleepyTarget:
     block_size = 2
     device = torch.device("cpu")
     step_ops = markov = None  # the engine's own step operations; no Markov head
+    host_inputs = False
 
     def __init__(self):
         self.cfg = SimpleNamespace(max_position_embeddings=4096, vocab_size=50, target_layer_ids=(0,))

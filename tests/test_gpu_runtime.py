@@ -15,6 +15,8 @@ from ddtree.models.attention import Visibility  # noqa: E402
 from ddtree.runtime.gpu import runtime as gpu  # noqa: E402
 from ddtree.bench.testing import random_pair  # noqa: E402
 from ddtree.engine.tree import ancestor_matrix  # noqa: E402
+from ddtree.engine.decoder import Decoder, make_method  # noqa: E402
+from ddtree.base.config import SamplingParams  # noqa: E402
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -63,9 +65,11 @@ def test_a_padded_pass_equals_the_reference_pass():
 
 
 @pytest.mark.slow
-def test_decoding_in_the_runtime_is_lossless():
-    """ar, dflash and ddtree at several budgets (an oracle drafter, so trees are deep and branchy and accepted
-    paths need compaction) decode the reference's ar tokens on seeded random prompts."""
+def test_decoding_in_the_runtime_is_lossless_with_two_waits_a_step():
+    """ar, dflash and ddtree at several budgets, with and without the context lookup (an oracle drafter, so trees are
+    deep and branchy and accepted paths need compaction) decode the reference's ar tokens on seeded random prompts,
+    through the staged step operations (engine/staged_ops.py): two copies back per drafted step (the draft's top-k,
+    the target's choices), one per plain step."""
     ref, drafter = reference_pair(seed=4)
     rng = random.Random(0)
     for _ in range(2):
@@ -73,11 +77,16 @@ def test_decoding_in_the_runtime_is_lossless():
         expected, _ = run(ref, None, prompt, "ar", max_new_tokens=20)
         rt, rd = gpu.attach(ref, drafter, graphs=False)
         plant_oracle(rd, prompt + expected + [0] * 40, seed=1, top1=0.7)
-        for method, budget in [("ar", 1), ("dflash", 1), ("ddtree", 3), ("ddtree", 12), ("ddtree", 40)]:
-            tokens, stats = run(rt, rd, prompt, method, budget, max_new_tokens=20)
+        dec = Decoder(rt, rd)
+        for method, budget in [("ar", 1), ("dflash", 1), ("ddtree", 3), ("ddtree", 12), ("ddtree:12+lookup", None),
+                               ("ddtree", 40)]:
+            before = dec.ops.waits
+            tokens, stats = dec.generate(prompt, make_method(method, budget, None, rd), SamplingParams(), 20)
             assert tokens == expected, (method, budget)
             if method == "ddtree" and budget == 12:
                 assert stats.tau > 1.5  # the oracle's trees were accepted deep: compaction was exercised
+            steps = len(stats.acceptance_lengths)
+            assert dec.ops.waits - before == steps * (1 if method == "ar" else 2), (method, budget)
 
 
 def test_the_drafters_passes_equal_the_reference():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..models.attention import Visibility
-from .step_ops import TorchStepOps
+from .staged_ops import step_ops_for
 from .tree import ancestor_matrix, chain_parents
 
 # every size up to 6 and some beyond: a CPU kernel's cost steps where its passes change shape (6 rows on AVX2, 13 with
@@ -416,7 +416,8 @@ def _key_seconds(target, ids, cache, taps, context: int, long_context: int, size
 def _host_step(target, drafter, logits: torch.Tensor, bonus: torch.Tensor, budget: int):
     """A step's host work beside its passes, on a draft's logits, as a function to time: the tree build (log-softmax,
     best-first nodes, tokens) and the verify's visibility, with the target's step operations."""
-    ops = target.step_ops or TorchStepOps()
+    ops = step_ops_for(target)
+    bonus = ops.root(int(bonus[0]), target.device)
 
     def step() -> None:
         parents, depths, ids, _ = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus, budget)

@@ -26,7 +26,7 @@ from .cost_cache import verify_costs
 from .method_spec import MethodSpec, check_budget
 from .sampling import choose
 from .stats import GenerationStats, StageTimer
-from .step_ops import TorchStepOps
+from .staged_ops import step_ops_for
 from .stops import Stops
 from .traces import step_record
 from .tree import DraftTree, chain_parents, graft_chain, walk_drawn
@@ -384,7 +384,8 @@ class Decoder:
         self.target, self.drafter = target, drafter
         self.sync_stages = sync_stages  # on CUDA: synchronize at stage edges for per-stage GPU times (StageTimer)
         # the step's tree build, visibility and walk: its runtime's (a CPU runtime's C++ kernel), or the engine's own
-        self.ops = target.step_ops or TorchStepOps()
+        # (staged on the host for a target whose passes take host inputs)
+        self.ops = step_ops_for(target)
 
     def compile(self, tree: DraftTree, start: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The verify pass's inputs beside the tokens: the visibility among the tree's nodes (bool [N, N]; None for a
@@ -486,7 +487,7 @@ class Decoder:
             if stop_reason := stops.reason or _limit_reason(len(tokens), max_new_tokens, tcache.room):
                 break
             start = tcache.length
-            bonus = torch.full((1,), tokens[-1], dtype=torch.long, device=device)  # the root: the last committed token
+            bonus = self.ops.root(tokens[-1], device)  # the root: the last committed token
             tree = method.propose(drafter, self.ops, dcache, bonus, tcache.room, timer)
             with timer("tree_compile"):
                 ancestors, positions = self.compile(tree, start)
@@ -497,7 +498,7 @@ class Decoder:
                 path, choices = self.accept(tree, ancestors, out.logits, sampling, generator)
             with timer("commit"):
                 n = len(path)
-                rows = None if path[-1] == n - 1 else torch.tensor(path, device=device)  # a prefix needs no move
+                rows = None if path[-1] == n - 1 else self.ops.path_rows(path, device)  # a prefix needs no move
                 tcache.commit(n, rows)
                 if dcache is not None:
                     drafter.add_context(dcache, out.taps[:n] if rows is None else out.taps[rows])

@@ -7,12 +7,18 @@ import numpy as np
 import torch
 
 from ..models.markov import head_chain_ids, head_tree_nodes
-from .sampling import argmax, choose
+from .sampling import argmax
 from .tree import ancestor_matrix, best_first_nodes, walk
 
 
 class TorchStepOps:
     """protocol.StepOps on the model's device, with the tree's bookkeeping in numpy."""
+
+    def root(self, token: int, device: torch.device) -> torch.Tensor:
+        return torch.full((1,), token, dtype=torch.long, device=device)
+
+    def path_rows(self, path: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(path, device=device)
 
     def tree_nodes(self, drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int) -> tuple:
         if drafter.markov is not None:

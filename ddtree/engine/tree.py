@@ -15,7 +15,7 @@ import torch
 
 @dataclass
 class DraftTree:
-    tokens: torch.Tensor  # [N] long, on the model's device; tokens[0] = root
+    tokens: torch.Tensor  # [N] long, where the step operations keep it (the model's device, or the host); tokens[0] = root
     parents: np.ndarray  # [N] int64, parents[0] = -1
     depths: np.ndarray  # [N] int64, depths[0] = 0
     # what the drafter said, for traces: its logits [depth, draft vocab] for block positions 1..depth, and the
@@ -95,7 +95,29 @@ def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, n
     if budget < 1:
         raise ValueError(f"budget must be >= 1, got {budget}")
     max_depth, vocab = logprobs.shape
-    ranks = _Ranks(logprobs.float(), min(budget, vocab))
+    return _best_first(_Ranks(logprobs.float(), min(budget, vocab)), max_depth, budget)
+
+
+def best_first_topk(top_logprobs: list[list[float]], top_ids: list[list[int]], budget: int) -> tuple:
+    """best_first_nodes from each depth's whole top-k, already on the host: log-probs [depth][k] in descending order
+    and their token ids [depth][k], k = min(budget, vocab) (what one top-k and one copy back give)."""
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    return _best_first(_TopK(top_logprobs, top_ids), len(top_logprobs), budget)
+
+
+class _TopK:
+    """_Ranks over a complete top-k given as lists."""
+
+    def __init__(self, lp: list[list[float]], ids: list[list[int]]):
+        self.lp, self.ids = lp, ids
+
+    def has(self, d: int, r: int) -> bool:
+        return r < len(self.lp[d])
+
+
+def _best_first(ranks, max_depth: int, budget: int) -> tuple:
+    """The heap of best_first_nodes over `ranks` (a _Ranks or a _TopK)."""
     lp, ids = ranks.lp, ranks.ids  # lists that ranks.has() extends in place
     parents, depths, tokens, scores = [-1], [0], [], []
     # heap entries: (-score, parent node, depth index d (block position d + 1), rank r)

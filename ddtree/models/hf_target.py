@@ -152,6 +152,7 @@ class HFTarget(nn.Module):
 
     quant = None  # the model's own weights, whatever they are
     step_ops = None  # the engine's own step operations
+    host_inputs = False  # its passes take device tensors
 
     def lazy_logits(self, rows: int) -> bool:
         return False  # forward() has no row_logits: the model's head runs over all rows

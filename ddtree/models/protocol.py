@@ -56,6 +56,7 @@ class Target(Protocol):
     attention_backend: str  # ddtree's attention for passes over this target's cache ("sdpa" / "triton")
     quant: str | None  # the block formats its linear layers run on (quant="gguf"), or None
     step_ops: "StepOps | None"  # the step's host operations its runtime supplies (chosen at load); None: the engine's
+    host_inputs: bool  # its passes take a step's tokens, positions and visibility from the host (one upload each)
 
     @property
     def device(self) -> torch.device: ...
@@ -142,7 +143,14 @@ class Drafter(Protocol):
 class StepOps(Protocol):
     """A speculative step's host operations, one object chosen at load by the target's runtime (ddtree/runtime):
     the engine's reference ones in numpy / torch (ddtree.engine.step_ops), or a CPU runtime's in its C++ kernel
-    (ddtree.runtime.cpu.step_ops, the same results). The engine asks no model how to do these."""
+    (ddtree.runtime.cpu.step_ops, the same results); for a target that takes host inputs, the engine's staged ones
+    (ddtree.engine.staged_ops). The engine asks no model how to do these."""
+
+    def root(self, token: int, device: torch.device) -> torch.Tensor:
+        """A step's root, the last committed token, as a LongTensor [1] where these operations keep a tree's tokens."""
+
+    def path_rows(self, path: list[int], device: torch.device) -> torch.Tensor:
+        """The accepted path's node indices as a LongTensor on `device` (the rows a commit keeps)."""
 
     def tree_nodes(self, drafter: Drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int) -> tuple:
         """A draft's best-first nodes from its log-probs [depth, draft vocab]: (parents [n + 1], depths [n + 1] as

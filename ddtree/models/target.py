@@ -28,6 +28,7 @@ class TargetModel(nn.Module):
     backend = "own"  # the target backend (ddtree.models.hf_target.HFTarget is the generic one)
     quant = None  # the reference runs its float weights (a runtime may run quantized blocks: Target.quant)
     step_ops = None  # the engine's own step operations (a runtime may supply faster ones: Target.step_ops)
+    host_inputs = False  # its passes take device tensors
 
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa"):
         super().__init__()

@@ -35,6 +35,7 @@ class TargetRuntime(Runtime):
     """protocol.Target's shape and identity, read from the reference TargetModel."""
 
     step_ops = None  # the engine's own step operations unless the runtime supplies faster ones
+    host_inputs = False  # its passes take device tensors
 
     @property
     def backend(self) -> str:

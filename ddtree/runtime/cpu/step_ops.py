@@ -22,6 +22,12 @@ class KernelStepOps:
     def __init__(self, kernel):
         self.kernel = kernel
 
+    def root(self, token: int, device: torch.device) -> torch.Tensor:
+        return torch.full((1,), token, dtype=torch.long)
+
+    def path_rows(self, path: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(path)
+
     def tree_nodes(self, drafter, logprobs: torch.Tensor, bonus: torch.Tensor, budget: int) -> tuple:
         if drafter.markov is not None:
             return head_tree_nodes(drafter, logprobs, bonus, budget, self.kernel)

@@ -25,6 +25,7 @@ do on a CPU, with Triton's interpreter): the arithmetic is the replay's.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...models.attention import Visibility
@@ -157,17 +158,19 @@ class _Captured:
 
 
 class _Static:
-    """Static input buffers shared by all of a runtime's passes (slices of them per bucket)."""
+    """Static input buffers shared by all of a runtime's passes (slices of them per bucket; a verify pass's tokens,
+    positions and mask: PassInputs)."""
 
     def __init__(self, device, rows: int):
         self.past = torch.zeros(1, dtype=torch.int32, device=device)
         self.steps = torch.arange(rows, device=device)  # row offsets 0..rows-1 from the past
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.bonus = torch.zeros(1, dtype=torch.long, device=device)  # a draft's first token
 
 
 class GPUTarget(_Captured, TargetRuntime):
-    """The target on CUDA with its verify passes captured per tree-size bucket."""
+    """The target on CUDA with its verify passes captured per tree-size bucket. A step's inputs come from the host
+    (the engine's staged step operations keep its bookkeeping there) and go up in one copy per pass."""
+    host_inputs = True
 
     def __repr__(self) -> str:
         return f"GPUTarget(graphs={self.graphs}, {self.model!r})"
@@ -184,45 +187,97 @@ class GPUTarget(_Captured, TargetRuntime):
     @torch.inference_mode()  # its buffers are inference tensors: written in inference mode only
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
                  tap_layers: tuple[int, ...] = (), last_only: bool = False, row_logits: bool = False) -> TargetOutput:
+        """A pass over tokens [N] at positions [N]. From host tensors (a step's tree: engine/staged_ops.py), the
+        tokens, positions and mask bits go up in one copy from pinned memory, without a wait; device tensors (a
+        prefill, the cost calibration) are copied on the device."""
         n = tokens.shape[0]
         size = bucket(n)
+        host = tokens.device.type == "cpu"
         if (size is None or last_only or vis.past is not None or not self._owns(cache)
                 or cache.length + size > cache.k.shape[2]):
+            if host:  # the reference pass, on device copies
+                ancestors = None if vis.ancestors is None else vis.ancestors.to(self.device)
+                tokens, positions = tokens.to(self.device), positions.to(self.device)
+                vis = Visibility(vis.past_len, ancestors, vis.past, vis.chain)
             return self.model(tokens, positions, cache, vis, tap_layers, last_only, row_logits)
         taps = tuple(tap_layers)
-        s = self._static
-        s.past.fill_(cache.length)
+        self._static.past.fill_(cache.length)
         if (size, taps) not in self._passes:  # every bucket at once: no capture inside a later, timed step
             for b in BUCKETS if self.graphs else (size,):
                 self._passes[(b, taps)] = self._make_pass(cache, b, taps).prepare()
         p = self._passes[(size, taps)]
-        s.tokens[:n].copy_(tokens)
-        s.positions[:n].copy_(positions)
-        p.bits.copy_(p.identity)  # padding rows see themselves only
-        if vis.ancestors is not None:
-            packed = vis.bits(n, self.device)  # [n, ceil(n / 32)]
-            p.bits[:n, :packed.shape[1]] = packed
+        inputs = p.inputs
+        if host:
+            inputs.buffer.copy_(inputs.stage(tokens, positions, vis.ancestors), non_blocking=inputs.pinned)
+        else:
+            inputs.tokens[:n].copy_(tokens)
+            inputs.positions[:n].copy_(positions)
+            inputs.bits.copy_(inputs.identity)  # padding rows see themselves only
+            if vis.ancestors is not None:
+                packed = vis.bits(n, self.device)  # [n, ceil(n / 32)]
+                inputs.bits[:n, :packed.shape[1]] = packed
         logits, features = p.run()
         return TargetOutput(logits[:n], None if features is None else features[:n].clone())
 
     def _make_pass(self, cache: KVCache, size: int, taps: tuple[int, ...]) -> Pass:
         s, ref = self._static, self.model
-        eye = torch.eye(size, dtype=torch.bool, device=self.device)
-        identity = Visibility(0, eye).bits(size, self.device)  # each row sees itself: the padding rows' mask
-        bits = identity.clone()
-        vis = DeviceVisibility(s.past, bits, lower_triangular=True)
+        inputs = PassInputs(size, self.device)
+        vis = DeviceVisibility(s.past, inputs.bits, lower_triangular=True)
 
         @torch.inference_mode()
         def fn():
             writer = RowWriter(cache, s.past + s.steps[:size])
-            hidden, features = ref.hidden_states(s.tokens[:size], s.positions[:size], writer, vis, taps)
+            hidden, features = ref.hidden_states(inputs.tokens, inputs.positions, writer, vis, taps)
             return ref.logits(hidden), features
 
         p = Pass(fn, self.graphs)
-        p.bits, p.identity = bits, identity
+        p.inputs = inputs
         return p
 
 
+class PassInputs:
+    """A verify pass's inputs as one device buffer, int64 [2 * size + ceil(size * W / 2)] (W = ceil(size / 32)): the
+    tokens [size], the positions [size] and the packed mask bits, int32 [size, W] (kernels/tree_attention.py's layout),
+    so that a step's inputs staged on the host go up in one copy. Padding rows (past the tree's n) see only
+    themselves, carry token 0 and the last real position."""
+
+    def __init__(self, size: int, device: torch.device):
+        self.size, self.words = size, -(-size // 32)
+        self.length = 2 * size + -(-size * self.words // 2)
+        self.buffer = torch.zeros(self.length, dtype=torch.long, device=device)
+        self.tokens, self.positions, self.bits = self._views(self.buffer)
+        eye = torch.eye(size, dtype=torch.bool, device=device)
+        self.identity = Visibility(0, eye).bits(size, device)  # each row sees itself: the padding rows' mask
+        self.bits.copy_(self.identity)
+        self.pinned = torch.device(device).type == "cuda"
+        self._identity_host = _pack_rows(np.eye(size, dtype=bool), self.words)  # int32 [size, W]
+
+    def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        size = self.size
+        bits = buffer[2 * size:].view(torch.int32)[:size * self.words].view(size, self.words)
+        return buffer[:size], buffer[size:2 * size], bits
+
+    def stage(self, tokens: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
+        """The inputs for host tokens [n], positions [n] and ancestors (bool [n, n] or None: a lone root) in a fresh
+        host buffer of the device buffer's layout (page-locked for a CUDA device; the caching host allocator keeps
+        it until the copy has run)."""
+        n = tokens.shape[0]
+        host = torch.empty(self.length, dtype=torch.long, pin_memory=self.pinned)
+        t, pos, bits = (x.numpy() for x in self._views(host))
+        t[:n], t[n:] = tokens.numpy(), 0
+        pos[:n], pos[n:] = positions.numpy(), int(positions[-1])
+        bits[:] = self._identity_host
+        if ancestors is not None:
+            bits[:n] = _pack_rows(ancestors.numpy(), self.words)
+        return host
+
+
+def _pack_rows(visible: np.ndarray, words: int) -> np.ndarray:
+    """bool [n, m] -> int32 [n, words]: bit j % 32 of word j // 32 in row i is visible[i, j] (m <= 32 * words)."""
+    n, m = visible.shape
+    padded = np.zeros((n, 4 * words), dtype=np.uint8)
+    padded[:, :-(-m // 8)] = np.packbits(visible, axis=1, bitorder="little")
+    return padded.view("<i4")
 class GPUDrafter(_Captured, DrafterRuntime):
     """The drafter on CUDA with its context and block passes captured (for drafters whose layers all see the whole
     context and block, the published DFlash design; others run the reference eagerly)."""
@@ -283,24 +338,27 @@ class GPUDrafter(_Captured, DrafterRuntime):
         length = length or self.block_size
         self.flush_context(cache)
         if not self._owns(cache) or not self.capturable or cache.length + length > cache.k.shape[2]:
-            return self.model.draft(cache, bonus, length)
+            return self.model.draft(cache, bonus.to(self._static.bonus.device), length)
         self._static.past.fill_(cache.length)
         if ("block", length) not in self._passes:  # every length at once (budget="auto" drafts 2..block)
             for b in sorted({*range(2, self.block_size + 1), length}) if self.graphs else (length,):
                 self._passes[("block", b)] = self._block_pass(cache, b).prepare()
-        self._static.tokens[:1].copy_(bonus)
+        if bonus.device.type == "cpu":  # a host root (engine/staged_ops.py): a fill, no upload to wait for
+            self._static.bonus.fill_(int(bonus))
+        else:
+            self._static.bonus.copy_(bonus)
         return self._passes[("block", length)].run()
 
     def _block_pass(self, cache: KVCache, length: int) -> Pass:
         s, ref = self._static, self.model
-        mask = torch.full((length - 1,), self.cfg.mask_token_id, dtype=torch.long, device=s.tokens.device)
-        bits = torch.full((length, -(-length // 32)), -1, dtype=torch.int32, device=s.tokens.device)  # all visible
+        mask = torch.full((length - 1,), self.cfg.mask_token_id, dtype=torch.long, device=s.bonus.device)
+        bits = torch.full((length, -(-length // 32)), -1, dtype=torch.int32, device=s.bonus.device)  # all visible
         vis = [DeviceVisibility(s.past, bits, lower_triangular=False)] * len(ref.layers)
 
         @torch.inference_mode()
         def fn():
             positions = s.past + s.steps[:length]
-            h = ref.target.embed(torch.cat([s.tokens[:1], mask]))  # [length, H]
+            h = ref.target.embed(torch.cat([s.bonus, mask]))  # [length, H]
             cos, sin = ref.rotary(positions, h.dtype)
             h = ref.block_layers(h, cos, sin, vis, RowWriter(cache, positions))
             return ref.logits(ref.norm(h[1:]))  # [length - 1, draft vocab]
