@@ -39,3 +39,22 @@ def test_the_training_window_dry_run_trains_both_arms_and_packs_them(tmp_path):
     assert sorted(p.name for p in out.glob("results.tar.xz.part*"))[0] == "results.tar.xz.part00"
     with tarfile.open(out / "logs.tgz") as logs:
         assert {"logs/driver.txt", "logs/fit-all.txt", "logs/fit-old.txt"} <= set(logs.getnames())
+
+
+@pytest.mark.slow
+def test_the_reference_comparison_dry_run_matches_the_references_trees_and_tokens(tmp_path):
+    """scripts/gpu_reference.py on tiny shapes: the published DDTree code, on the same weights and oracle draws,
+    accepts exactly this engine's paths (equal tau) and both decode `ar`'s tokens. It needs the reference's snapshot
+    in .ref/ddtree (not shipped: its code is not ours), so it is skipped where there is none."""
+    if not (ROOT / ".ref" / "ddtree" / "ddtree.py").is_file():
+        pytest.skip("no snapshot of liranringel/ddtree in .ref/ddtree (scripts/gpu_reference.py says how to get one)")
+    import json
+
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path)}
+    done = subprocess.run(["python", str(ROOT / "scripts" / "gpu_reference.py")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu_reference.json").read_text())["rows"]
+    assert [r["budget"] for r in rows] == [8, 16]
+    for r in rows:
+        assert r["ours_tau"] == r["ref_tau"] > 1.5 and r["ours_equal_ar"] and r["ref_equal_ar"], r
