@@ -4,10 +4,12 @@
     python scripts/choose_drafter.py CANDIDATE ... -- --num-prompts 2 --max-new-tokens 32   # benchmark options
 
 Each drafter (the shipped one first) gets one run of the main job's benchmark (`ddtree.bench.benchmark`: HumanEval,
-MT-Bench and GSM, T = 0, 8 prompts x 128 tokens, both CPU target modes, `ar`, `dflash` and `ddtree` at budgets 2, 3,
-4, 8 and auto, 2 repeats) into runs/choose/<name>. Speedups are ratios to `ar` within each run, so a machine
+MT-Bench and GSM, T = 0, 8 prompts x 128 tokens, both CPU target modes, `ar`, `dflash`, `ddtree` at budgets 2, 3,
+4, 8 and auto, and with the context lookup `ddtree:2+lookup` and `ddtree:auto+lookup` (a bare `ddtree` on a CPU),
+2 repeats) into runs/choose/<name>. Speedups are ratios to `ar` within each run, so a machine
 that drifts between runs moves both sides of each ratio; tau is exact (greedy). It prints, per mode and set, each
-drafter's best `ddtree` speedup (and its budget), `auto`'s, and the taus of `dflash` and `ddtree:8`, then the drafter
+drafter's best fixed-budget `ddtree` speedup (and its method), the CPU default's (`ddtree:auto+lookup`), and the taus of
+`dflash` and `ddtree:8`, then the drafter
 whose best speedups have the highest geometric mean over modes and sets. Every method's tokens are checked against
 `ar`'s in every run; a run with errors is not chosen.
 """
@@ -23,7 +25,8 @@ from pathlib import Path
 SHIPPED = Path("ddtree/assets/smollm2-135m-dflash")
 DEFAULTS = ["--datasets", "humaneval,mt-bench,gsm", "--temperatures", "0", "--num-prompts", "8",
             "--max-new-tokens", "128", "--repeats", "2", "--quant", "float,gguf-int8",
-            "--methods", "ar,dflash,ddtree:2,ddtree:3,ddtree:4,ddtree:8,ddtree:auto", "--no-progress"]
+            "--methods", "ar,dflash,ddtree:2,ddtree:3,ddtree:4,ddtree:8,ddtree:auto,ddtree:2+lookup,ddtree:auto+lookup",
+            "--no-progress"]
 
 
 def run(drafter: Path, out: Path, extra: list[str]) -> dict:
@@ -38,7 +41,8 @@ def run(drafter: Path, out: Path, extra: list[str]) -> dict:
 
 
 def cells(summary: dict) -> dict:
-    """(mode, dataset) -> {"best": (speedup, method), "auto": speedup, "tau_dflash", "tau_ddtree8", "errors"}."""
+    """(mode, dataset) -> {"best": (speedup, method), "auto": the CPU default's speedup, "tau_dflash", "tau_ddtree8",
+    "errors"}; best: the fastest fixed budget, with or without the lookup."""
     out: dict = {}
     for r in summary["rows"]:
         c = out.setdefault((r["mode"], r["dataset"]), {"best": (0.0, "-"), "auto": None, "tau_dflash": None,
@@ -49,9 +53,9 @@ def cells(summary: dict) -> dict:
             c["tau_dflash"] = r["tau"]
         elif m == "ddtree:8":
             c["tau_ddtree8"] = r["tau"]
-        if m == "ddtree:auto":
+        if m == "ddtree:auto+lookup":
             c["auto"] = r["speedup"]
-        elif m.startswith("ddtree:") and r["speedup"] > c["best"][0]:
+        elif m.startswith("ddtree:") and not m.startswith("ddtree:auto") and r["speedup"] > c["best"][0]:
             c["best"] = (r["speedup"], m)
     return out
 
@@ -71,15 +75,16 @@ def main(argv=None) -> int:
         ap.error(f"the candidates' folder names must differ (they name the runs): {names[1:]}")
     results = {n: cells(run(d, args.out / n, extra)) for n, d in zip(names, drafters)}
     keys = sorted(results["shipped"])
-    print(f"\n{'mode':10s} {'set':10s} " + " ".join(f"{n[:24]:>36s}" for n in names))
+    print(f"\n{'mode':10s} {'set':10s} " + " ".join(f"{n[:24]:>46s}" for n in names))
     for key in keys:
         row = []
         for n in names:
             c = results[n].get(key)
-            row.append("-" if c is None else f"best {c['best'][0]:.2f}x {c['best'][1]:>9s} auto "
+            row.append("-" if c is None else f"best {c['best'][0]:.2f}x {c['best'][1]:>16s} default "
                        f"{c['auto'] or 0:.2f}x tau {c['tau_dflash'] or 0:.2f}/{c['tau_ddtree8'] or 0:.2f}")
-        print(f"{key[0]:10s} {key[1]:10s} " + " ".join(f"{x:>36s}" for x in row))
-    print("(best: the fastest ddtree budget's speedup over ar; tau: dflash / ddtree:8)")
+        print(f"{key[0]:10s} {key[1]:10s} " + " ".join(f"{x:>46s}" for x in row))
+    print("(best: the fastest fixed ddtree budget's speedup over ar; default: ddtree:auto+lookup's; tau: dflash / "
+          "ddtree:8)")
     score = {}
     for n in names:
         bests = [results[n][k]["best"][0] for k in keys if k in results[n]]
