@@ -136,6 +136,50 @@ def implicit_syncs(dec, prompt: list[int], method, stops) -> float | None:
     return sum("synchroniz" in str(w.message) for w in caught) / max(1, n)
 
 
+def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
+    """Achieved bf16 TFLOP/s of an n x n x n product (CUDA events, median): the prefill's GEMM floor; nan off CUDA."""
+    if DEV.type != "cuda":
+        return float("nan")
+    a, b = (torch.randn(n, n, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / sorted(times)[reps // 2] / 1e12
+
+
+def issue_53_checks(rows: list[dict], prefill_floor_ms: float) -> list[str]:
+    """Issue 53's figures from the graphs rows: per oracle, each ddtree budget's ms per step outside its draft and
+    verify passes (the decode time per step less the synchronized run's draft and verify), its verify against
+    `ar`'s, the best ddtree against dflash, and the prefill against its GEMM floor."""
+    lines = []
+    for oracle in dict.fromkeys(r["oracle"] for r in rows if r["mode"] == "graphs"):
+        mine = [r for r in rows if r["mode"] == "graphs" and r["oracle"] == oracle]
+        ar = next(r for r in mine if r["method"] == "ar")
+        dflash = next((r for r in mine if r["method"] == "dflash"), None)
+        trees = [r for r in mine if r["method"] == "ddtree"]
+        for r in trees:
+            decode_ms = 1e3 * (r["new_tokens"] - r["prompts"]) / max(1e-9, r["decode_tok_s"]) / max(1, r["steps"])
+            outside = decode_ms - r["ms_per_step"].get("draft", 0.0) - r["ms_per_step"].get("verify", 0.0)
+            ratio = r["ms_per_step"].get("verify", float("nan")) / max(1e-9, ar["ms_per_step"].get("verify", 0.0))
+            lines.append(f"{oracle}: ddtree:{r['budget']} outside draft+verify {outside:.2f} ms/step (<= 1), "
+                         f"verify / ar's {ratio:.2f}x (<= 1.7)")
+        if dflash and trees:
+            best = max(trees, key=lambda r: r["decode_tok_s"])
+            lines.append(f"{oracle}: best ddtree (ddtree:{best['budget']}) / dflash, decode "
+                         f"{best['decode_tok_s'] / dflash['decode_tok_s']:.2f}x (>= 1.2)")
+        prefill_ms = 1e3 * ar["prefill_s"] / ar["prompts"]
+        lines.append(f"{oracle}: prefill {prefill_ms:.1f} ms, GEMM floor {prefill_floor_ms:.1f} ms, "
+                     f"{prefill_ms / prefill_floor_ms:.2f}x (<= 1.5)")
+    return lines
+
+
 def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: int = 20) -> dict:
     """Median ms of one target pass over a chain of N nodes after `context` committed rows (CUDA events)."""
     cache = target.new_cache(context + 300)
@@ -262,6 +306,7 @@ def main():
             row = dict(oracle=oracle, mode=mode, method=m, budget=b, tok_s=new / secs, tau=acc / max(1, steps),
                        steps=steps,
                        decode_tok_s=(new - len(prompts)) / max(1e-9, secs - prefill), prefill_s=prefill,
+                       prompts=len(prompts),
                        new_tokens=new, ms_per_step=stages, waits_per_step=waits, implicit_syncs_per_step=syncs,
                        verdicts=verdicts)
             rows.append(row)
@@ -301,6 +346,14 @@ def main():
         report.update(copy_bandwidth_Bps=bw, weight_bytes=weight_bytes, weights_floor_ms=floor_ms, pass_ms=passes)
         print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
               f"weights read once: {floor_ms:.2f} ms")
+        tflops = gemm_tflops()
+        matmul_params = sum(p.numel() for n, p in ref_t.named_parameters() if "embed_tokens" not in n)
+        prefill_floor_ms = 1e3 * 2 * matmul_params * args.context / (tflops * 1e12) if tflops == tflops else float("nan")
+        checks = issue_53_checks(rows, prefill_floor_ms) if "graphs" in decoders else []
+        report.update(gemm_tflops=tflops, prefill_floor_ms=prefill_floor_ms, issue_53=checks)
+        print(f"bf16 GEMM {tflops:.0f} TFLOP/s; the {args.context}-token prefill's matmuls at that rate: "
+              f"{prefill_floor_ms:.1f} ms")
+        print("\n".join(checks))
     path = os.path.join(os.environ.get("OUT", "."), f"gpu_e2e_{args.which}.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
