@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from ddtree.bench.testing import random_pair  # noqa: E402
+from ddtree.bench.testing import add_markov_head, random_pair  # noqa: E402
 from ddtree.models.drafter import untrained_drafter  # noqa: E402
 from ddtree.engine.decoder import Decoder, make_method  # noqa: E402
 from ddtree.engine.staged_ops import StagedStepOps, step_ops_for  # noqa: E402
@@ -123,3 +123,21 @@ def test_a_captured_greedy_step_synchronizes_only_where_it_copies_back(pair):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert got == expected, method
+
+
+def test_a_markov_heads_trees_and_chains_equal_the_reference_ops(pair):
+    """With a Markov head the trees and chains come from the head's own builders (on the device), then go to the
+    host in one copy."""
+    target, _ = pair
+    drafter = add_markov_head(untrained_drafter(target, 2, 8, seed=6), seed=2)
+    staged, ref = StagedStepOps(DEVICE), TorchStepOps()
+    lp = distinct_logprobs(4, 5, drafter.cfg.draft_vocab)
+    for budget in (3, 12):
+        got = staged.tree_nodes(drafter, lp, staged.root(9, DEVICE), budget)
+        want = ref.tree_nodes(drafter, lp, ref.root(9, DEVICE), budget)
+        for a, b in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b.cpu() if torch.is_tensor(b) else b))
+        assert got[2].device.type == "cpu"
+    chain = staged.chain_ids(drafter, lp, staged.root(9, DEVICE))
+    assert torch.equal(chain, ref.chain_ids(drafter, lp, ref.root(9, DEVICE)).cpu())
+    assert staged.waits == 3
