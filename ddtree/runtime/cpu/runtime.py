@@ -291,12 +291,12 @@ class CPUDrafter(DrafterRuntime):
         self._current()
         self._context(cache, features)
 
-    @torch.inference_mode()
     def _stack_takes(self, features: torch.Tensor) -> bool:
         """Does the stack's context pass take these features [n, taps * H]? float32 rows, at most a stack pass's."""
         return (bool(self.context) and features.dim() == 2 and features.dtype == torch.float32
                 and features.shape[0] <= stack.MAX_ROWS)
 
+    @torch.inference_mode()
     def _context(self, cache: KVCache, features: torch.Tensor) -> None:
         """DFlashDrafter.context_pass, as one C++ call instead of ~25 small torch ops where the stack has it."""
         n, ref = features.shape[0], self.model
