@@ -141,3 +141,13 @@ def test_a_markov_heads_trees_and_chains_equal_the_reference_ops(pair):
     chain = staged.chain_ids(drafter, lp, staged.root(9, DEVICE))
     assert torch.equal(chain, ref.chain_ids(drafter, lp, ref.root(9, DEVICE)).cpu())
     assert staged.waits == 3
+
+
+def test_the_host_copy_of_d2t_follows_a_vocabulary_written_in_place(pair):
+    """set_draft_vocab writes d2t in place: the next tokens map through the new table, not a stale host copy."""
+    target, _ = pair
+    drafter = untrained_drafter(target, 2, 8, seed=5, draft_vocab=torch.arange(0, 96, 2))
+    staged, ids = StagedStepOps(DEVICE), torch.tensor([0, 3, 5])
+    assert staged.tree_tokens(drafter, staged.root(1, DEVICE), ids).tolist() == [1, 0, 6, 10]
+    drafter.set_draft_vocab(torch.arange(1, 96, 2), target.lm_head.weight)  # the odd ids now
+    assert staged.tree_tokens(drafter, staged.root(1, DEVICE), ids).tolist() == [1, 1, 7, 11]

@@ -40,7 +40,7 @@ class StagedStepOps:
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"  # page-locked host memory: copies that do not stall the host
         self.waits = 0
-        self._d2t: tuple[torch.Tensor, torch.Tensor] | None = None  # (the drafter's d2t, its host copy)
+        self._d2t: tuple | None = None  # (the drafter's d2t, its version counter then, its host copy)
         self._copied = torch.cuda.Event() if self.pinned else None
 
     def _copy_back(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -86,11 +86,13 @@ class StagedStepOps:
         return torch.cat([bonus.cpu(), ids])
 
     def _host_d2t(self, drafter) -> torch.Tensor:
-        """The drafter's draft -> target offsets on the host, copied once (again where the drafter's table changed)."""
+        """The drafter's draft -> target offsets on the host, copied once, and again where the drafter's table was
+        replaced or written in place (its version counter; set_draft_vocab writes it in place)."""
         d2t = drafter.d2t
-        if self._d2t is None or self._d2t[0] is not d2t or self._d2t[1].shape != d2t.shape:
-            self._d2t = (d2t, d2t.cpu())
-        return self._d2t[1]
+        version = 0 if d2t.is_inference() else d2t._version  # inference tensors have no version counter
+        if self._d2t is None or self._d2t[0] is not d2t or self._d2t[1] != version:
+            self._d2t = (d2t, version, d2t.to("cpu", copy=True))  # a copy on the host too: its version is what counts
+        return self._d2t[2]
 
     def visibility(self, parents: np.ndarray, depths: np.ndarray, start: int, device: torch.device):
         ancestors = torch.from_numpy(ancestor_matrix(parents, depths)) if len(parents) > 1 else None
