@@ -39,6 +39,23 @@ def test_buckets():
     assert gpu.bucket(514) is None
 
 
+def test_the_host_packer_gives_the_kernels_mask_layout():
+    """The staged inputs' numpy packer (runtime._pack_rows) against the kernel module's pack_ancestor_bits, on a
+    branching tree of 70 nodes (three words a row)."""
+    import numpy as np
+
+    from ddtree.base.kernel_files import kernel_module
+
+    rng = random.Random(1)
+    parents = np.array([-1] + [rng.randrange(i) for i in range(1, 70)])
+    depths = np.zeros(70, dtype=np.int64)
+    for i in range(1, 70):
+        depths[i] = depths[parents[i]] + 1
+    anc = ancestor_matrix(parents, depths)
+    want = kernel_module("tree_attention").pack_ancestor_bits(torch.from_numpy(anc)).numpy()
+    np.testing.assert_array_equal(gpu._pack_rows(anc, 3), want)
+
+
 def test_a_padded_pass_equals_the_reference_pass():
     """A tree of 6 nodes verified in the bucket of 8 (padding rows, device past length, K/V written at device rows):
     the same logits, taps and committed cache rows as the reference's eager pass over the 6 nodes."""

@@ -246,11 +246,11 @@ class PassInputs:
         self.length = 2 * size + -(-size * self.words // 2)
         self.buffer = torch.zeros(self.length, dtype=torch.long, device=device)
         self.tokens, self.positions, self.bits = self._views(self.buffer)
-        eye = torch.eye(size, dtype=torch.bool, device=device)
-        self.identity = Visibility(0, eye).bits(size, device)  # each row sees itself: the padding rows' mask
+        # each row sees itself: the padding rows' mask, int32 [size, W], on the host and the device
+        self._identity_host = _pack_rows(np.eye(size, dtype=bool), self.words)
+        self.identity = torch.from_numpy(self._identity_host).to(device)
         self.bits.copy_(self.identity)
         self.pinned = torch.device(device).type == "cuda"
-        self._identity_host = _pack_rows(np.eye(size, dtype=bool), self.words)  # int32 [size, W]
 
     def _views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         size = self.size
@@ -273,7 +273,9 @@ class PassInputs:
 
 
 def _pack_rows(visible: np.ndarray, words: int) -> np.ndarray:
-    """bool [n, m] -> int32 [n, words]: bit j % 32 of word j // 32 in row i is visible[i, j] (m <= 32 * words)."""
+    """bool [n, m] -> int32 [n, words]: bit j % 32 of word j // 32 in row i is visible[i, j] (m <= 32 * words): the
+    layout of kernels/tree_attention.py's pack_ancestor_bits, in numpy for a step's host work (a few vector ops where
+    the torch packer builds an int64 [n, 32 * words] product; tests/test_gpu_runtime.py holds them equal)."""
     n, m = visible.shape
     padded = np.zeros((n, 4 * words), dtype=np.uint8)
     padded[:, :-(-m // 8)] = np.packbits(visible, axis=1, bitorder="little")
