@@ -88,26 +88,38 @@ def qwen3_8b_pair():
     return target, drafter, perm
 
 
-def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 5, chains: int = 16384):
-    """drafter.draft() runs the real pass (its cost), then ranks perm^i(bonus), the target's greedy token at block
-    position i, where the preset draws it given the rank at i - 1 (ddtree/bench/oracle.py). The ranks and the
-    probabilities are drawn once into device tables, so the oracle adds launches to a draft but no synchronization."""
-    real = drafter.__dict__.get("_real_draft") or drafter.draft
-    drafter._real_draft = real
-    depths = drafter.block_size - 1
+def oracle_draws(perm: torch.Tensor, preset: OraclePreset, depths: int, seed: int = 5, chains: int = 16384):
+    """draw(bonus [1], n, vocab) -> oracle logits [n, vocab] that rank perm^i(bonus), the target's greedy
+    token at block position i, where the preset draws it given the rank at i - 1 (ddtree/bench/oracle.py). The ranks
+    for `depths` positions and the probabilities are drawn once into device tables, and each call takes the next
+    row: two draws made from the same seed give the same logits in the same order, whichever engine asks."""
     ranks = rank_table(preset, chains, depths, torch.Generator().manual_seed(seed), DEV)  # [chains, depths]
     probs = prob_table(preset, depths, DEV)  # [depths, TOP_K + 1] or None
     logits_gen, drafts = torch.Generator(device=DEV).manual_seed(seed), itertools.count()
 
-    def draft(self, cache, bonus, length=None):
-        logits = real(cache, bonus, length)  # [L - 1, V]
-        n, v = logits.shape
-        truth, tok = [], bonus.view(1)
+    def draw(bonus: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
+        # a host root (the staged step's) becomes a device fill, not an upload that would wait on the device
+        tok = bonus.view(1) if bonus.device == perm.device else torch.full((1,), int(bonus), device=perm.device)
+        truth = []
         for _ in range(n):
             tok = perm[tok]
             truth.append(tok)
         row, rows_probs = ranks[next(drafts) % chains, :n], None if probs is None else probs[:n]
-        return oracle_logits(torch.cat(truth), row, v, logits_gen, rows_probs).to(logits.dtype)
+        return oracle_logits(torch.cat(truth), row, vocab, logits_gen, rows_probs)
+
+    return draw
+
+
+def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 5, chains: int = 16384):
+    """drafter.draft() runs the real pass (its cost), then returns oracle_draws' logits in its place. The ranks and
+    the probabilities sit in device tables, so the oracle adds launches to a draft but no synchronization."""
+    real = drafter.__dict__.get("_real_draft") or drafter.draft
+    drafter._real_draft = real
+    draw = oracle_draws(perm, preset, drafter.block_size - 1, seed, chains)
+
+    def draft(self, cache, bonus, length=None):
+        logits = real(cache, bonus, length)  # [L - 1, V]
+        return draw(bonus, *logits.shape).to(logits.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
 

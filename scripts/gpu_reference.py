@@ -114,12 +114,9 @@ def _load(model, state: dict) -> None:
         raise SystemExit(f"{type(model).__name__}: weights missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def oracle_tree_builder(module, target, perm, preset, seed: int = 5, chains: int = 16384):
-    """Make the reference's build_ddtree_tree build on oracle logits drawn as gpu_e2e.plant_oracle draws them (the
-    same rank table, the same order, the same logits generator): the root is the first token of the block its draft
-    embedded last."""
-    from ddtree.bench.oracle import oracle_logits, prob_table, rank_table
-
+def oracle_tree_builder(module, target, draft, perm, preset):
+    """Make the reference's build_ddtree_tree build on gpu_e2e.oracle_draws' logits (the same tables, the same order
+    as this engine's run from a fresh oracle): the root is the first token of the block its draft embedded last."""
     build = module.__dict__.setdefault("_published_build", module.build_ddtree_tree)
     embed = target.model.embed_tokens
     if not hasattr(embed, "_published_forward"):
@@ -130,25 +127,10 @@ def oracle_tree_builder(module, target, perm, preset, seed: int = 5, chains: int
             return embed._published_forward(ids)
 
         embed.forward = forward
-    depths = None
-    state = {}
+    draw = e2e.oracle_draws(perm, preset, draft.block_size - 1)
 
     def build_on_oracle(draft_logits, budget):
-        nonlocal depths
-        n, v = draft_logits.shape
-        if depths is None:
-            depths = n
-            state.update(ranks=rank_table(preset, chains, n, torch.Generator().manual_seed(seed), DEV),
-                         probs=prob_table(preset, n, DEV), gen=torch.Generator(device=DEV).manual_seed(seed),
-                         drafts=0)
-        truth, tok = [], embed.last_ids[0, :1]
-        for _ in range(n):
-            tok = perm[tok]
-            truth.append(tok)
-        row = state["ranks"][state["drafts"] % chains, :n]
-        state["drafts"] += 1
-        probs = None if state["probs"] is None else state["probs"][:n]
-        return build(oracle_logits(torch.cat(truth), row, v, state["gen"], probs).to(draft_logits.dtype), budget)
+        return build(draw(embed.last_ids[0, :1], *draft_logits.shape).to(draft_logits.dtype), budget)
 
     module.build_ddtree_tree = build_on_oracle
 
@@ -214,11 +196,11 @@ def main():
         # warm-ups (graphs captured, Triton and cuBLAS set up), then each side from a fresh oracle: the same draws
         e2e.plant_oracle(dec.drafter, perm, preset)
         run_engine(dec, prompts[:1], "ddtree", budget, args)
-        oracle_tree_builder(module, hf_target, perm, preset)
+        oracle_tree_builder(module, hf_target, hf_draft, perm, preset)
         run_reference(module, hf_target, hf_draft, prompts[:1], budget, args)
         e2e.plant_oracle(dec.drafter, perm, preset)
         ours = run_engine(dec, prompts, "ddtree", budget, args)
-        oracle_tree_builder(module, hf_target, perm, preset)
+        oracle_tree_builder(module, hf_target, hf_draft, perm, preset)
         theirs = run_reference(module, hf_target, hf_draft, prompts, budget, args)
         row = dict(budget=budget, ours_decode_tok_s=ours["decode_tok_s"], ref_decode_tok_s=theirs["decode_tok_s"],
                    speedup_over_ref=ours["decode_tok_s"] / theirs["decode_tok_s"], ours_tau=ours["tau"],
