@@ -31,7 +31,8 @@ void bind_tree(pybind11::module& mod);  // tree.cpp: a DDTree step's host work
 
 // int8_linear.cpp: the same products with the activations quantized to int8 per block of 32 (llama.cpp's arithmetic)
 namespace ddtree_int8 {
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n);  // packed by pack_q4_1
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n);  // packed by pack_q8_0
+// stream: the weight is prefetched non-temporally (one that cannot stay cached between passes)
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream);  // packed by pack_q4_1
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream);  // packed by pack_q8_0
 void bind(pybind11::module& mod, const std::string& prefix);
 }  // namespace ddtree_int8

@@ -101,6 +101,7 @@ struct Linear {
                        // BF16: weight [N, K] in bfloat16; F32P: packed weight (qlinear.pack_rows);
                        // Q4_1_I8, Q8_0_I8: the records of int8_linear.cpp's pack_q4_1 / pack_q8_0, for n outputs
   int64_t n = 0;
+  bool stream = false;  // Q4_1_I8, Q8_0_I8: prefetched non-temporally (int8_linear.cpp's Prefetch::stream)
   torch::Tensor bias;
   // The same weight in GGUF blocks that dequantize to it exactly (ddtree/runtime/cpu/stack.py: a float target loaded
   // from a GGUF), taken for passes of up to `blocks_rows` rows: every kind sums an output in the same order, so the
@@ -117,9 +118,9 @@ struct Linear {
     } else if (kind == Q8_0) {
       y = q8_0_linear(x, a, b);
     } else if (kind == Q4_1_I8) {
-      y = ddtree_int8::q4_1_linear(x, a, n);
+      y = ddtree_int8::q4_1_linear(x, a, n, stream);
     } else if (kind == Q8_0_I8) {
-      y = ddtree_int8::q8_0_linear(x, a, n);
+      y = ddtree_int8::q8_0_linear(x, a, n, stream);
     } else if (kind == BF16) {
       y = bf16_linear(x, a);
     } else if (gemv) {
@@ -148,12 +149,13 @@ class Stack {
   }
 
   int64_t add_linear(int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b,
-                     c10::optional<torch::Tensor> bias, int64_t n) {
+                     c10::optional<torch::Tensor> bias, int64_t n, bool stream) {
     TORCH_CHECK(kind >= Linear::F32 && kind <= Linear::Q8_0_I8, "unknown linear kind ", kind);
     Linear l;
     l.kind = int(kind);
     l.a = a;
     l.n = n;
+    l.stream = stream;
     if (b) l.b = *b;
     if (bias) l.bias = *bias;
     linears.push_back(l);
@@ -866,8 +868,10 @@ void bind_decoder(pybind11::module& mod) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>(), "hidden, heads, kv_heads, head_dim, "
            "intermediate, rms_norm_eps")
       .def("add_linear", &Stack::add_linear, "kind (1 f32, 2 Q4_1, 3 Q8_0, 4 bf16, 5 packed f32, 6 Q4_1 int8 "
-           "activations, 7 Q8_0 int8 activations), tensors, bias, outputs (the int8 kinds' packed records) -> its "
-           "index")
+           "activations, 7 Q8_0 int8 activations), tensors, bias, outputs (the int8 kinds' packed records), stream "
+           "(the int8 kinds: prefetch non-temporally) -> its index",
+           pybind11::arg("kind"), pybind11::arg("a"), pybind11::arg("b"), pybind11::arg("bias"), pybind11::arg("n"),
+           pybind11::arg("stream") = false)
       .def("add_blocks", &Stack::add_blocks, "of, exact, max_rows: linear `exact` (GGUF blocks equal to linear `of`) "
            "runs `of`'s passes of up to max_rows rows")
       .def("add_layer", &Stack::add_layer, "norms and the indices of qkv, o, gate_up, down")

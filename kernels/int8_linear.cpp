@@ -50,6 +50,10 @@ constexpr int64_t GROUP = 16;                    // outputs per record
 constexpr int64_t Q4_1_RECORD = 4 * 64 + 2 * 32;  // nibbles, d, m
 constexpr int64_t Q8_0_RECORD = 8 * 64 + 2 * 64;  // q, d, 128 * sum q
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead in the weight stream a block is prefetched
+// How a pass prefetches its weights: not at all (rows after the first of a record), into the caches (`keep`), or
+// non-temporally (`stream`: a weight that cannot stay cached between passes, e.g. a target many times the last-level
+// cache, so that its stream does not evict what can, e.g. a drafter's weights read right after it)
+enum class Prefetch { none, keep, stream };
 
 // dpbusd: acc + the sums of 4 products u8 x s8 per int32 lane. DDTREE_EMULATE_VNNI (tests only) runs the VNNI code
 // paths on AVX2 with an exact emulation in its place (even and odd bytes widened to int16, then madd).
@@ -298,14 +302,19 @@ struct Q8_0 {
 // the blocks; per block term = (dw * dx) * isum [+ mw * sx], then acc = acc + term.
 template <class Q, int R>
 void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t r0, float* y, int64_t N,
-               int64_t n0, bool prefetch) {
+               int64_t n0, Prefetch prefetch) {
   VF acc[R];
   for (int i = 0; i < R; ++i) acc[i] = zerof();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = group + b * Q::RECORD;
-    if (prefetch)  // never faults: past the end is harmless
-      for (int64_t line = 0; line < Q::RECORD; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + line, _MM_HINT_T0);
+    if (prefetch != Prefetch::none)  // never faults: past the end is harmless
+      for (int64_t line = 0; line < Q::RECORD; line += 64) {
+        const char* ahead = reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + line;
+        if (prefetch == Prefetch::stream)
+          _mm_prefetch(ahead, _MM_HINT_NTA);
+        else
+          _mm_prefetch(ahead, _MM_HINT_T0);
+      }
     typename Q::W w;
     Q::prepare(rec, h, w);
     for (int i = 0; i < R; ++i) {
@@ -332,32 +341,35 @@ void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t 
 // rows_pass<Q, R> for R = 1 .. ROWS
 template <class Q, int... R>
 constexpr auto rows_passes(std::integer_sequence<int, R...>) {
-  using Pass = void (*)(const uint8_t*, int64_t, int, const XRows&, int64_t, float*, int64_t, int64_t, bool);
+  using Pass = void (*)(const uint8_t*, int64_t, int, const XRows&, int64_t, float*, int64_t, int64_t, Prefetch);
   return std::array<Pass, sizeof...(R)>{&rows_pass<Q, R + 1>...};
 }
 
 // Group g (16 outputs; two halves of L = 8) for all M rows, ROWS at a time.
 template <class Q>
-void group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x, int64_t M, float* y, int64_t N) {
+void group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x, int64_t M, float* y, int64_t N,
+                Prefetch prefetch) {
   static constexpr auto passes = rows_passes<Q>(std::make_integer_sequence<int, ROWS>{});
   for (int h = 0; h < GROUP / L; ++h) {
     const int64_t n0 = GROUP * g + L * h;
     if (n0 >= N) break;
     for (int64_t r0 = 0; r0 < M; r0 += ROWS)  // the weights are prefetched once, by the first rows
-      passes[std::min<int64_t>(ROWS, M - r0) - 1](group, KB, h, x, r0, y, N, n0, r0 == 0 && h == 0);
+      passes[std::min<int64_t>(ROWS, M - r0) - 1](group, KB, h, x, r0, y, N, n0,
+                                                    r0 == 0 && h == 0 ? prefetch : Prefetch::none);
   }
 }
 
 template <class Q>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool stream) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK, G = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const XRows xr = quantize(x.data_ptr<float>(), M, K, Q::OFFSET);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
+  const Prefetch prefetch = stream ? Prefetch::stream : Prefetch::keep;
   at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, yp, N);
+    for (int64_t g = g0; g < g1; ++g) group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, yp, N, prefetch);
   });
   return y;
 }
@@ -377,14 +389,14 @@ void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n
 
 }  // namespace
 
-torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream) {
   check_packed(x, packed, n, Q4_1_RECORD, "Q4_1");
-  return run<Q4_1>(x, packed, n);
+  return run<Q4_1>(x, packed, n, stream);
 }
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n) {
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream) {
   check_packed(x, packed, n, Q8_0_RECORD, "Q8_0");
-  return run<Q8_0>(x, packed, n);
+  return run<Q8_0>(x, packed, n, stream);
 }
 
 // Q4_1 spans [N, K / 64 * 10] (ddtree/runtime/cpu/qlinear.py: per 64 weights 8 uint32 lanes, nibble g of lane l = weight
@@ -473,9 +485,13 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
 // (DDTREE_INT8_MODULE: ddtree/runtime/cpu/int8.py's builds for other instruction sets, prefix "").
 void bind(pybind11::module& mod, const std::string& prefix) {
   mod.def((prefix + "q4_1_linear").c_str(), &q4_1_linear,
-          "x [M, K] @ W^T with int8 activations, W a packed Q4_1 weight (pack_q4_1) of n outputs");
+          "x [M, K] @ W^T with int8 activations, W a packed Q4_1 weight (pack_q4_1) of n outputs; stream: prefetch "
+          "W non-temporally (a weight that cannot stay cached)",
+          pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("stream") = false);
   mod.def((prefix + "q8_0_linear").c_str(), &q8_0_linear,
-          "x [M, K] @ W^T with int8 activations, W a packed Q8_0 weight (pack_q8_0) of n outputs");
+          "x [M, K] @ W^T with int8 activations, W a packed Q8_0 weight (pack_q8_0) of n outputs; stream: as "
+          "q4_1_linear's",
+          pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("stream") = false);
   mod.def((prefix + "pack_q4_1").c_str(), &pack_q4_1, "Q4_1 spans [N, K / 64 * 10] -> records [N / 16, K / 32, 320]");
   mod.def((prefix + "pack_q8_0").c_str(), &pack_q8_0, "Q8_0 qs [N, K], d [N, K / 32] -> records [N / 16, K / 32, 640]");
   mod.def((prefix + "quantize_rows").c_str(), &quantize_rows,

@@ -3,6 +3,8 @@ the plain-torch reference bit for bit, a row's result does not depend on the oth
 result is close to the float product."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -142,6 +144,20 @@ def test_a_row_does_not_depend_on_the_pass_or_the_threads(weights, kind):
     assert torch.equal(one_thread, two_threads)
     assert torch.equal(one_thread, singles)
     assert torch.equal(one_thread[4:13], nine)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_streamed_weight_gives_the_same_bits(weights, kind):
+    """QWeight.stream changes only how the weight is prefetched (non-temporally), never a sum."""
+    w = weights(kind, 960, 576)
+    streamed = replace(w, int8=True, stream=True)
+    for m in (1, 3, 9, 17):
+        x = activations(m, 576, seed=m)
+        assert torch.equal(int8.int8_linear(x, streamed), int8.int8_linear(x, w)), (kind, m)
+        assert torch.equal(streamed.matmul(x), int8.int8_linear(x, w)), (kind, m)
+    assert streamed.rows(0, 64).stream and QWeight.cat([streamed, streamed]).stream
+    with pytest.raises(ValueError, match="cannot fuse"):
+        QWeight.cat([streamed, w])
 
 
 # --- (d) close to the float product -----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from ddtree.base.config import ConfigError
 from ddtree.models.drafter import untrained_drafter
 from ddtree.models.gguf_export import permute_rope_rows, write_gguf
 from ddtree.runtime.cpu.qlinear import QLinear, QWeight, round_po2_q8
-from ddtree.runtime.cpu.quant_target import dequantized_state, llama_row_order, quantize_target
+from ddtree.runtime.cpu import quant_target
+from ddtree.runtime.cpu.quant_target import dequantized_state, llama_row_order, quantize_target, streams_past_cache
 from ddtree.runtime.cpu.runtime import attach, cpu_target
 from ddtree.bench.testing import random_target
 from test_gguf_export import template
@@ -90,6 +91,29 @@ def test_dflash_and_ddtree_on_a_quantized_target_equal_its_ar(arch, int8, tmp_pa
         for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", 32)):
             tokens, _ = run(target, drafter, prompt, method, budget=budget, max_new_tokens=24)
             assert tokens == ar, f"{method}:{budget} differs from ar on the quantized target"
+
+
+def test_a_target_many_times_the_cache_streams_past_it(tmp_path, monkeypatch):
+    """The int8 target's weights are prefetched non-temporally where they are >= STREAM_CACHE_MULTIPLE times the
+    last-level cache (so they leave it to the drafter), kept otherwise; the drafter's never; the tokens are the same."""
+    w = QWeight.quantize(torch.randn(64, 64), "Q4_1")
+    size = w.qs.nbytes
+    assert streams_past_cache([w, None, w], cache_bytes=size) and not streams_past_cache([w], cache_bytes=size)
+    runs = {}
+    for cache in (1 << 40, 1):
+        monkeypatch.setattr(quant_target, "last_level_cache_bytes", lambda cache=cache: cache)
+        target, drafter = attach(quantized("qwen3", tmp_path, seed=11, int8=True),
+                                 rounded_drafter(quantizable_target("qwen3", seed=11), seed=12))
+        flags = {q.stream for layer in target.model.model.layers for q in layer_qweights(layer)}
+        assert flags == {cache == 1} and target.model.lm_head.weight.stream == (cache == 1)
+        assert not drafter.head.compact.stream
+        runs[cache] = [run(target, drafter, [3, 1, 4, 1, 5], method, budget=4, max_new_tokens=16)[0]
+                       for method in ("ar", "ddtree")]
+    assert runs[1] == runs[1 << 40] and runs[1][0] == runs[1][1]
+
+
+def layer_qweights(layer) -> list[QWeight]:
+    return [m.weight for m in layer.modules() if isinstance(m, QLinear)]
 
 
 def test_int8_activations_are_llama_cpps_arithmetic_close_to_the_float_model(tmp_path):

@@ -107,7 +107,7 @@ def int8_linear(x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
 def linear_with(module, x: torch.Tensor, qweight: QWeight) -> torch.Tensor:
     """int8_linear through `module`: kernel() or a build(isa) (whose layout of the records is the same)."""
     linear = module.q4_1_linear if qweight.kind == "Q4_1" else module.q8_0_linear
-    return linear(x, qweight.int8_records(), qweight.shape[0])
+    return linear(x, qweight.int8_records(), qweight.shape[0], qweight.stream)
 
 
 # --- the reference: the same arithmetic in plain torch ------------------------------------------------------------

@@ -100,6 +100,22 @@ def cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
+def last_level_cache_bytes() -> int | None:
+    """The size of the largest cache CPU 0 sees (sysfs: its L3 on x86 servers), None where it cannot be read."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (entry / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if unit > 1 else text
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=None)
+
+
+@functools.cache
 def build_kernel(isa: str = "avx2"):
     """The compiled extension (built on first use, ~1 min; cached under DDTREE_CACHE/kernels, see
     compile_extension): the quantized products, float32 ones for the runtime's Linear, and the decoder-layer
@@ -234,6 +250,9 @@ class QWeight:
     qs: torch.Tensor
     d: torch.Tensor | None = None
     int8: bool = False  # products with the activations quantized to int8 per block (llama.cpp's; kernels/int8_linear.cpp)
+    # int8 only: prefetched non-temporally, for a weight that cannot stay cached between passes (a target many times
+    # the last-level cache), so that its stream does not evict what can (the drafter's weights, read right after it)
+    stream: bool = False
     # the same blocks in int8_linear.cpp's layout (int8_records(): made on first use, then kept)
     _records: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -311,20 +330,21 @@ class QWeight:
 
     def rows(self, start: int, stop: int) -> "QWeight":
         """Output rows [start, stop): views, no copy."""
-        return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop], self.int8)
+        return QWeight(self.kind, self.qs[start:stop], None if self.d is None else self.d[start:stop], self.int8,
+                       self.stream)
 
     def permute_rows(self, order: torch.Tensor) -> "QWeight":
         return QWeight(self.kind, self.qs[order].contiguous(), None if self.d is None else self.d[order].contiguous(),
-                       self.int8)
+                       self.int8, self.stream)
 
     @staticmethod
     def cat(weights: list["QWeight"]) -> "QWeight":
         """Stacked along N (fused projections); all of one kind and K."""
-        kinds, ks = {(w.kind, w.int8) for w in weights}, {w.shape[1] for w in weights}
+        kinds, ks = {(w.kind, w.int8, w.stream) for w in weights}, {w.shape[1] for w in weights}
         if len(kinds) != 1 or len(ks) != 1:
             raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} and widths {sorted(ks)}")
         d = None if weights[0].d is None else torch.cat([w.d for w in weights])
-        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), d, weights[0].int8)
+        return QWeight(weights[0].kind, torch.cat([w.qs for w in weights]), d, weights[0].int8, weights[0].stream)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] float32 -> [..., N]: F.linear(x, self.dequantize()) up to the order of the sums."""
@@ -332,7 +352,7 @@ class QWeight:
         x2 = x.reshape(-1, k)
         if self.int8:  # every width: the arithmetic is the kernel's (no float equivalent to fall back on)
             linear = kernel().int8_q4_1_linear if self.kind == "Q4_1" else kernel().int8_q8_0_linear
-            y = linear(x2.contiguous(), self.int8_records(), self.shape[0])
+            y = linear(x2.contiguous(), self.int8_records(), self.shape[0], self.stream)
         elif x2.shape[0] > KERNEL_MAX_ROWS:
             y = F.linear(x2, self.dequantize())
         elif self.kind == "Q4_1":

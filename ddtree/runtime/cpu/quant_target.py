@@ -20,8 +20,10 @@ import torch
 
 from ...base.config import ConfigError
 from ...models.protocol import reference
-from .qlinear import KINDS, QLinear, QWeight
+from .qlinear import KINDS, QLinear, QWeight, last_level_cache_bytes
 
+# weights this many times the last-level cache stream past it (streams_past_cache)
+STREAM_CACHE_MULTIPLE = 2
 # our module path within a layer -> the GGUF tensor name (blk.{i}.NAME.weight)
 LAYER_TENSORS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                  "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -62,8 +64,10 @@ def quantize_target(model, gguf_path: Path, int8: bool = False) -> str | None:
                           f"{str(model.dtype).removeprefix('torch.')}); pass device='cpu' and no dtype")
     layers, head = gguf_blocks(model, gguf_path)
     if int8:
-        layers = [{path: None if q is None else replace(q, int8=True) for path, q in quant.items()} for quant in layers]
-        head = None if head is None else replace(head, int8=True)
+        stream = streams_past_cache([q for quant in layers for q in quant.values()] + [head])
+        layers = [{path: None if q is None else replace(q, int8=True, stream=stream) for path, q in quant.items()}
+                  for quant in layers]
+        head = None if head is None else replace(head, int8=True, stream=stream)
     kinds = set()
     for layer, quant in zip(model.model.layers, layers):
         _swap_layer(layer, quant)
@@ -72,6 +76,16 @@ def quantize_target(model, gguf_path: Path, int8: bool = False) -> str | None:
         model.lm_head = QLinear(head)
         kinds.add(head.kind)
     return "gguf " + "/".join(sorted(kinds)) + (" int8" if int8 else "") if kinds else None
+
+
+def streams_past_cache(weights: list[QWeight | None], cache_bytes: int | None = None) -> bool:
+    """Should a pass prefetch these weights non-temporally (QWeight.stream)? Where they are at least
+    STREAM_CACHE_MULTIPLE times the last-level cache (cache_bytes; None: this CPU's), no pass finds them cached
+    anyway, and streaming them leaves the cache to what can stay: the drafter's weights, read right after a target
+    pass, and the KV caches."""
+    cache_bytes = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    total = sum(q.qs.nbytes + (0 if q.d is None else q.d.nbytes) for q in weights if q is not None)
+    return cache_bytes is not None and total >= STREAM_CACHE_MULTIPLE * cache_bytes
 
 
 def int8_activations(quant: str | None) -> bool:

@@ -202,7 +202,8 @@ def _add(stack, weight, weight_t, bias, pack: bool) -> int:
     bias = None if bias is None else bias.detach().contiguous()
     if isinstance(weight, qlinear.QWeight):
         if weight.int8:
-            return stack.add_linear(INT8_KINDS[weight.kind], weight.int8_records(), None, bias, weight.shape[0])
+            return stack.add_linear(INT8_KINDS[weight.kind], weight.int8_records(), None, bias, weight.shape[0],
+                                    weight.stream)
         return stack.add_linear(QUANT_KINDS[weight.kind], weight.qs, weight.d, bias, 0)
     if weight.dtype == torch.bfloat16:
         return stack.add_linear(BF16, weight, None, bias, 0)
