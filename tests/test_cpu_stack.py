@@ -345,7 +345,8 @@ def test_a_draft_in_one_call_has_the_bits_of_its_calls_one_by_one(int8, reduced)
     """A draft through DecoderStack.draft (the queued context, the block's inputs, its layers, final norm and head in
     one C++ call) gives the logits and the context K/V of the calls one by one: after a prompt's context wider than a
     stack pass, then steps that queue 1..3 rows, at block lengths 2..16; with the reduced head in the stack, and with
-    the target's head (not reduced) applied after it; 8-bit copies with float and with int8 activations."""
+    the target's head (not reduced) applied after it; exact 8-bit copies with float activations, 4-bit copies with int8
+    activations."""
     from ddtree.runtime.cpu import qlinear
     from ddtree.runtime.cpu.runtime import CPUDrafter
 
@@ -556,3 +557,22 @@ def test_writes_torch_does_not_count_are_refused_until_refresh(how):
     for method in ("ar", "dflash", "ddtree:8"):
         expected = followed.generate([5, 6, 7, 8], method=method, max_new_tokens=12).token_ids
         assert edited.generate([5, 6, 7, 8], method=method, max_new_tokens=12).token_ids == expected, method
+
+
+def test_compact_copies_by_activation_kind():
+    """Float activations: exact 8-bit blocks where the values are such, else bf16 where they are bf16, else none. Int8
+    activations: 4-bit blocks rounded as llama.cpp rounds them (not exact: that mode is not the float arithmetic)."""
+    from ddtree.runtime.cpu import qlinear
+
+    w = torch.randn(96, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+    rounded = qlinear.round_po2_q8(w)
+    assert cpu_stack.compact_copy(w) is None and cpu_stack.storage(w) == "float32"
+    assert cpu_stack.compact_copy(rounded).kind == "Q8_0" and cpu_stack.storage(rounded) == "q8"
+    assert torch.equal(cpu_stack.compact_copy(w.bfloat16().float()), w.bfloat16())
+    for weight in (w, rounded):
+        four = cpu_stack.compact_copy(weight, int8=True)
+        assert torch.equal(four.qs, qlinear.QWeight.quantize(weight, "Q4_1").qs)
+        assert four.kind == "Q4_1" and four.int8 and not four.stream and cpu_stack.storage(weight, int8=True) == "q4"
+        assert (four.dequantize() - weight).abs().max() < 0.1 * weight.abs().max()
+    narrow = rounded[:, :96]  # the int8 kernel needs K % 64 == 0: no 4-bit copy
+    assert cpu_stack.compact_copy(narrow, int8=True) is None and cpu_stack.storage(narrow, int8=True) == "float32"

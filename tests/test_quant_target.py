@@ -78,8 +78,10 @@ def test_dflash_and_ddtree_on_a_quantized_target_equal_its_ar(arch, int8, tmp_pa
     target, drafter = attach(quantized(arch, tmp_path, seed=11, int8=int8), rounded_drafter(
         quantizable_target(arch, seed=11), seed=12))
     assert target.stack is not None and target.quant == "gguf Q4_1/Q8_0" + (" int8" if int8 else "")
-    # the drafter's 8-bit copies take the target's activations: int8 in the int8 mode (shapes the tree only)
+    # the drafter's copies take the target's activations: 4-bit blocks with int8 activations in the int8 mode, its
+    # exact 8-bit blocks otherwise (shapes the tree only)
     assert drafter.int8 == int8 and drafter.head.compact.int8 == int8
+    assert drafter.head.compact.kind == ("Q4_1" if int8 else "Q8_0")
     float_target = quantizable_target(arch, seed=11)
     float_drafter = rounded_drafter(float_target, seed=12)
     rng = random.Random(5)

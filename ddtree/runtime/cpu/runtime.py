@@ -63,7 +63,7 @@ class Linear:
                  compact: bool = False, transposed: bool = False, int8: bool = False):
         self.weight, self.kernel, self.blocks, self.block_rows = weight, kernel, blocks, block_rows
         is_f32 = isinstance(weight, torch.Tensor) and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        # int8: a compact 8-bit copy runs with int8 activations (a quant='gguf-int8' target's drafter)
+        # int8: the compact copy is 4-bit blocks run with int8 activations (a quant='gguf-int8' target's drafter)
         self.compact = stack.compact_copy(weight, int8) if compact and kernel is not None and is_f32 else None
         self.transposed = weight.detach().t().contiguous() if transposed and is_f32 else None
         self.skinny = (kernel is not None and is_f32 and weight.dim() == 2 and weight.shape[1] % 64 == 0
@@ -238,7 +238,7 @@ class CPUDrafter(DrafterRuntime):
     def __init__(self, model, kernel, int8: bool = False):
         super().__init__(model)
         self.kernel = kernel  # the compiled extension, or None (torch's matmuls)
-        # its 8-bit copies with int8 activations: the drafter of a quant='gguf-int8' target (the drafter's arithmetic
+        # its 4-bit copies with int8 activations: the drafter of a quant='gguf-int8' target (the drafter's arithmetic
         # shapes only the tree, never the tokens)
         self.int8 = int8
         self._build()
@@ -273,8 +273,8 @@ class CPUDrafter(DrafterRuntime):
         return self.model.new_cache(capacity)
 
     def describe(self) -> dict:
-        """What a draft pass streams of its layers' weights: q8 / bf16 copies or float32 (stack.storage)."""
-        return {"storage": stack.storage(self.model.layers[0].mlp.gate_proj.weight)}
+        """What a draft pass streams of its layers' weights: q4 / q8 / bf16 copies or float32 (stack.storage)."""
+        return {"storage": stack.storage(self.model.layers[0].mlp.gate_proj.weight, self.int8)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits over the draft vocabulary (DFlashDrafter.logits)."""

@@ -36,8 +36,8 @@ def build(cfg, layers, blocks=None, kernel=None, int8: bool = False) -> object |
     beyond that contiguous transposes of qkv and gate/up for torch's 1-row GEMV. The runtime rebuilds a stack
     whenever the weights change (ddtree/runtime/cpu/weights_watch.py). blocks: per layer, its (qkv, o, gate_up, down) as
     QWeights that dequantize EXACTLY to the float weights (None where there is none; ddtree/runtime/cpu/exact_blocks.py);
-    passes of up to layer_max_rows() rows read those instead (same bits). int8: the compact 8-bit copies run with int8
-    activations (QWeight.int8: the drafter of a quant='gguf-int8' target)."""
+    passes of up to layer_max_rows() rows read those instead (same bits). int8: the compact copies are 4-bit blocks
+    run with int8 activations (compact_copy; QWeight.int8: the drafter of a quant='gguf-int8' target)."""
     params = [p for layer in layers for p in layer.parameters()]
     if not layers or any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return None
@@ -61,7 +61,7 @@ def build(cfg, layers, blocks=None, kernel=None, int8: bool = False) -> object |
         # float32 weights that are all bfloat16 values (a checkpoint published in bf16, run in fp32) stream as bf16
         # copies, widened exactly in registers, or as 8-bit blocks where they are power-of-two-scaled 8-bit values
         # (compact_copy): a half or a quarter of the bytes, and every row count takes the row kernel
-        weights = tuple(compact_if_exact(w, int8) if isinstance(w, torch.Tensor) else w
+        weights = tuple(compact_or_same(w, int8) if isinstance(w, torch.Tensor) else w
                         for w in (qkv, attn.o_proj.weight, gate_up, mlp.down_proj.weight))
         if not all(_coverable(w) for w in weights):
             return None
@@ -100,10 +100,10 @@ def add_context(stack, fc: torch.Tensor, norm: torch.Tensor, layers, int8: bool 
     kv = []
     for layer in layers:
         attn = layer.self_attn
-        weight = compact_if_exact(_cat(attn.k_proj, attn.v_proj), int8)
+        weight = compact_or_same(_cat(attn.k_proj, attn.v_proj), int8)
         bias = None if attn.k_proj.bias is None else _cat_bias(attn.k_proj, attn.v_proj)
         kv.append((weight, bias))
-    fc = compact_if_exact(fc, int8)
+    fc = compact_or_same(fc, int8)
     if not all(_coverable(w) for w, _ in kv) or not _coverable(fc):
         return False
     ids = [_add(stack, weight, None, bias, False) for weight, bias in kv]
@@ -155,29 +155,36 @@ def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def compact_copy(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor | None:
-    """The copy of a float32 weight [N, K] that the kernel reads with the fewest bytes and the weight's own bits:
-    8-bit blocks with power-of-two scales (qlinear.po2_q8; 8.5 bits a weight) where its values are exactly such
-    blocks (a drafter rounded by `train quantize`), else bfloat16 (16 bits) where they are all bf16 values (bf16_copy),
-    else None. A drafter's pass reads its weights from memory after every target pass has evicted them, so bytes are
-    its time. int8: the 8-bit blocks run with int8 activations (QWeight.int8: the drafter of a gguf-int8 target)."""
+    """The copy of a float32 weight [N, K] that the kernel reads with the fewest bytes. A drafter's pass reads its
+    weights from memory after every target pass has evicted them, so bytes are its time.
+    - Float activations (the weight's own bits): 8-bit blocks with power-of-two scales (qlinear.po2_q8; 8.5 bits a
+      weight) where its values are exactly such blocks (a drafter rounded by `train quantize`), else bfloat16 (16
+      bits) where they are all bf16 values (bf16_copy), else None.
+    - int8 (the drafter of a gguf-int8 target, whose products already quantize their activations, so its arithmetic
+      is not the float model's anyway): 4-bit blocks (Q4_1 rounded to nearest, as llama.cpp writes them; 5 bits a
+      weight) with int8 activations, where K % 64 == 0. The drafter shapes only the tree, never the tokens."""
     if weight.dtype != torch.float32:
         return None
+    if int8 and weight.dim() == 2 and weight.shape[1] % 64 == 0:
+        return replace(qlinear.QWeight.quantize(weight, "Q4_1"), int8=True)
     blocks = qlinear.po2_q8(weight)
     if blocks is not None:
-        return replace(blocks, int8=True) if int8 else blocks
+        return blocks
     return bf16_copy(weight)
 
 
-def compact_if_exact(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor:
+def compact_or_same(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor:
     """compact_copy(weight, int8) where there is one, else the weight."""
     copy = compact_copy(weight, int8)
     return weight.detach() if copy is None else copy
 
 
-def storage(weight: torch.Tensor) -> str:
-    """What a CPU pass streams of `weight`: 'q8' or 'bf16' where compact_copy() makes such a copy, else its dtype.
-    A drafter's pass costs more in bf16 than in 8-bit blocks, so the adaptive budget's cost curve is kept per storage
-    (cost_cache.cost_key)."""
+def storage(weight: torch.Tensor, int8: bool = False) -> str:
+    """What a CPU pass streams of `weight`: 'q4', 'q8' or 'bf16' where compact_copy(weight, int8) makes such a copy,
+    else its dtype. A drafter's pass costs more in bf16 than in 8-bit blocks, and more in those than in 4-bit ones,
+    so the adaptive budget's cost curve is kept per storage (cost_cache.cost_key)."""
+    if int8 and weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 64 == 0:
+        return "q4"
     copy = compact_copy(weight)
     if copy is None:
         return str(weight.dtype).removeprefix("torch.")
