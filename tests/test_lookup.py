@@ -100,18 +100,20 @@ def test_lookup_grafts_accepted_chains_and_stays_exact():
         assert all(rec["draft_logprobs"][-1] == float("-inf") for rec in records if rec["grafted"])
 
 
-def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
-    """ddtree:auto+lookup verifies a chain's added nodes when expected tokens per second rise with them, from the
-    yield it has measured for the chain's tier: chains that keep missing stop being grafted, one that matches what
-    is committed (grafted or not) raises the yield again, and each tier learns its own."""
+def test_auto_grafts_a_chain_while_its_tier_matches_and_learns_their_yield():
+    """ddtree:auto+lookup verifies a chain's added nodes while the yield it has measured for the chain's tier is at
+    least GRAFT_FLOOR, however the cost curve prices them: chains that keep missing stop being grafted, one that
+    matches what is committed (grafted or not) raises the yield again, and each tier learns its own."""
     _, drafter = random_pair("llama", seed=4, block_size=8)
     method = make_method("ddtree:auto+lookup", None, None, drafter)
-    method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)  # an added node: 0.1 s on a 1.6 s step of 1 node
-    method._last, method._context = ([math.log(0.6)], [1]), None  # the drafter's kept node: 1.6 tokens expected
+    method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)
+    method._last, method._context = ([math.log(0.6)], [1]), None
     assert method.lookup.tier == 0 and method.graft_yield == [0.5] * 3
-    assert method.graft_pays([5, 6], 1, 2, True)  # 2 nodes at the prior 0.5 tokens each: 2.6 / 1.8 > 1.6 / 1.6
+    assert method.graft_pays([5, 6], 1, 2, True) and method._chain == ([5, 6], 2, 0)
+    method.graft_yield[0] = method.GRAFT_FLOOR  # at the floor: still grafted
+    assert method.graft_pays([5, 6], 1, 2, True) and method.graft_pays([5, 6], 0, 2, False)
     method.graft_yield[0] = 0.05
-    assert not method.graft_pays([5, 6], 1, 2, True)  # 1.7 / 1.8 < 1.6 / 1.6
+    assert not method.graft_pays([5, 6], 1, 2, True) and not method.graft_pays([5, 6], 0, 2, False)
     method.lookup.tier = 2
     assert method.graft_pays([5, 6], 1, 2, True)  # a long agreement's tier keeps its own yield
     method.lookup.tier = 0
@@ -122,6 +124,7 @@ def test_auto_grafts_a_chain_only_where_its_nodes_pay_and_learns_their_yield():
     method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2, 0)
     method.observe([0, 1], [7, 8, 9])  # the drafter got 1 token, the chain matched 3: 2 more over its 2 nodes
     assert method.graft_yield[0] > 0.25
+    assert method.graft_pays([5, 6], 1, 2, True)
 
 
 def test_auto_judges_a_chain_once_the_text_reaches_its_end():

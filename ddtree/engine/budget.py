@@ -169,12 +169,6 @@ def node_probabilities(path_logprobs, depths=None, edge_scale: float = 1.0) -> l
     return [math.exp(lp) * powers[d] for lp, d in zip(logp, depth_list)]
 
 
-def expected_tokens(path_logprobs, depths, edge_scale: float) -> float:
-    """Tokens a step commits in expectation when it verifies these best-first nodes: 1 (the bonus) + the sum of
-    their node_probabilities, as choose_budget counts them."""
-    return 1.0 + sum(node_probabilities(path_logprobs, depths, edge_scale))
-
-
 def _as_list(values) -> list:
     """A numpy array or a sequence as a list of Python numbers (what the per-step rules loop over)."""
     return values.tolist() if isinstance(values, np.ndarray) else list(values)

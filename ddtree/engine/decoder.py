@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..models.attention import Visibility
-from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget, expected_tokens
+from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
 from .lookup import ContextLookup
 from ..base.config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
@@ -215,14 +215,15 @@ class AdaptiveDDTree(DDTree):
     Likewise it pops twice as many best-first nodes as the largest tree kept in those steps (at least HEAP_MIN),
     not its whole budget: a heap of 64 nodes for a tree of 3 costs a CPU step more host time than the tree.
 
-    With a context lookup (ddtree:auto+lookup) it grafts a step's chain only where the rule says the nodes it adds
-    pay for their rows: each added node is expected to commit `graft_yield` more tokens, an average over the steps
-    that had a chain, grafted or not (what the chain matched of the text, beyond what the drafter's nodes got),
-    weighted GRAFT_ALPHA per chain so that a passage the output copies is found within a step or two. A chain is
-    judged once the text has reached its end, a step or a few later: a step that did not graft it commits only the
-    drafter's tokens and the bonus, and judging it on those alone would count its later tokens as misses. The yield
-    is learned per tier of the lookup (ContextLookup.tiers: how far the chain's earlier occurrence agrees), since a
-    long agreement copies on far more reliably than a 3-token one.
+    With a context lookup (ddtree:auto+lookup) it grafts a step's chain unless chains like it have stopped matching
+    the text: while its tier's `graft_yield` (what a chain matched of the text beyond the drafter's share of its
+    step, per node it added; an average over the steps that had a chain, grafted or not, weighted GRAFT_ALPHA per
+    chain) is at least GRAFT_FLOOR. A chain is judged once the text has reached its end, a step or a few later: a
+    step that did not graft it commits only the drafter's tokens and the bonus, and judging it on those alone would
+    count its later tokens as misses. The yield is learned per tier of the lookup (ContextLookup.tiers: how far the
+    chain's earlier occurrence agrees), since a long agreement copies on far more reliably than a 3-token one. (A
+    rate comparison on the cost curve, grafting where expected tokens per second rose, declined the first chains of
+    each passage the output copies, while the yield still lagged: docs/journal/cpu-speed-journal.md, stop 64.)
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
@@ -231,6 +232,7 @@ class AdaptiveDDTree(DDTree):
     HEAP_MIN = 4
     GRAFT_PRIOR = 0.5  # tokens an added node commits in expectation, before any chain has been seen
     GRAFT_ALPHA = 0.3
+    GRAFT_FLOOR = 0.1  # a tier whose chains match less than this per added node is not grafted
 
     def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
         super().__init__(spec, max_budget, block_size)
@@ -301,12 +303,10 @@ class AdaptiveDDTree(DDTree):
             return DraftTree(tokens, parents, depths, grafted=grafted)
 
     def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
-        """The chain's added nodes are verified when expected tokens per second rise with them."""
+        """The chain's added nodes are verified while its tier's chains still match the text (GRAFT_FLOOR)."""
         tier = self.lookup.tier  # of this chain (ContextLookup.chain)
         self._chain = (chain, added, tier)
-        expected = expected_tokens(*(self._last or ((), ())), self.calibration.c)  # the drafter's b kept nodes
-        seconds = self.cost.tree_step_seconds(b + added, self.block_size, self._context, drafted)
-        return (expected + self.graft_yield[tier] * added) / seconds[b + added] > expected / seconds[b]
+        return self.graft_yield[tier] >= self.GRAFT_FLOOR
 
     def observe(self, path: list[int], committed: list[int]) -> None:
         super().observe(path, committed)
