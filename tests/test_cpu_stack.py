@@ -184,7 +184,7 @@ def test_stack_is_left_out_where_it_does_not_apply(monkeypatch):
     monkeypatch.setattr(cpu_stack.qlinear, "cpu_kernel_available", lambda choice="auto": False)  # no AVX2
     assert random_target("llama").stack is None
     vis = Visibility(3, None)
-    assert not cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS + 1, "sdpa", vis)  # a prefill: torch's GEMM
+    assert not cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS + 1, "sdpa", vis)  # wider: CPUTarget splits it
     assert not cpu_stack.usable(target.stack, 4, "triton", vis)
     assert not cpu_stack.usable(target.stack, 4, "sdpa", Visibility(3, None, torch.ones(4, 3, dtype=torch.bool)))
     assert cpu_stack.usable(target.stack, cpu_stack.MAX_ROWS, "sdpa", vis)
@@ -576,3 +576,34 @@ def test_compact_copies_by_activation_kind():
         assert (four.dequantize() - weight).abs().max() < 0.1 * weight.abs().max()
     narrow = rounded[:, :96]  # the int8 kernel needs K % 64 == 0: no 4-bit copy
     assert cpu_stack.compact_copy(narrow, int8=True) is None and cpu_stack.storage(narrow, int8=True) == "float32"
+
+
+@pytest.mark.parametrize("last_only", [False, True])
+def test_a_prefill_wider_than_a_stack_pass_runs_as_consecutive_passes(last_only):
+    """A causal pass of more than MAX_ROWS rows (a prompt's prefill) runs as stack passes of at most MAX_ROWS rows,
+    each after the K/V of the ones before: the K/V and taps of those passes made one by one, bit for bit (the head
+    picks its kernel by the rows it is given, so the logits agree up to rounding), and the eager reference layers'
+    values up to float32 rounding."""
+    target = random_target("qwen3", seed=9, init_scale=0.25)
+    n, width, taps = 2 * cpu_stack.MAX_ROWS + 5, cpu_stack.MAX_ROWS, (0, 2)
+    tokens = torch.randint(0, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(4))
+    cache = target.new_cache(n + 4)
+    out = target(tokens, torch.arange(n), cache, Visibility.causal(0, n, tokens.device), taps, last_only=last_only)
+    parts, logits, features = target.new_cache(n + 4), [], []
+    for start in range(0, n, width):
+        stop = min(n, start + width)
+        part = target(tokens[start:stop], torch.arange(start, stop), parts,
+                      Visibility.causal(start, stop - start, tokens.device), taps)
+        parts.commit(stop - start)
+        logits.append(part.logits)
+        features.append(part.taps)
+    logits = torch.cat(logits)
+    torch.testing.assert_close(out.logits, logits[-1:] if last_only else logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.taps, torch.cat(features)) and out.taps.shape[0] == n
+    assert torch.equal(cache.k[:, :, :n], parts.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], parts.v[:, :, :n])
+    eager = target.new_cache(n + 4)
+    with torch.inference_mode():
+        hidden, eager_taps = target.model.hidden_states(tokens, torch.arange(n), eager,
+                                                        Visibility.causal(0, n, tokens.device), taps, last_only)
+        torch.testing.assert_close(out.logits, target.logits(hidden), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.taps, eager_taps, rtol=1e-4, atol=1e-4)

@@ -3,8 +3,9 @@
 Why: on a CPU a small model's plain step spends a sizeable share of its time in the ~20 small torch ops per layer
 (norms, RoPE, cache writes, SDPA setup, SiLU, residuals), each costing more in dispatch than in arithmetic. The
 stack does the same computation per layer in C++ over the row-invariant matmuls of kernels/qlinear.cpp (float32,
-packed, bf16 or GGUF blocks), and torch's GEMV for one row of an unpacked float32 weight. The eager layers
-(ddtree.models.layers) stay the reference: a prefill wider than MAX_ROWS and anything the stack does not cover run them.
+packed, bf16 or GGUF blocks), and torch's GEMV for one row of an unpacked float32 weight. A causal pass wider than
+MAX_ROWS (a prompt's prefill) runs as consecutive stack passes (CPUTarget). The eager layers (ddtree.models.layers)
+stay the reference: anything the stack does not cover runs them.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ PACK_MAX_BYTES = 1 << 30
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 QUANT_KINDS = {"Q4_1": Q4_1, "Q8_0": Q8_0}
 INT8_KINDS = {"Q4_1": 6, "Q8_0": 7}  # the same blocks with int8 activations (decoder.cpp's Q4_1_I8, Q8_0_I8)
-MAX_ROWS = 64  # passes of 1..MAX_ROWS rows; wider ones (a prefill) run the eager layers on torch's cache-blocked GEMM
+MAX_ROWS = 64  # passes of 1..MAX_ROWS rows; a wider causal one (a prefill) runs as several, other wide ones eager
 
 
 def build(cfg, layers, blocks=None, kernel=None, int8: bool = False) -> object | None:
@@ -128,8 +129,8 @@ def packs(layers) -> bool:
 
 
 def usable(stack, n: int, backend: str, vis) -> bool:
-    """Does this pass (n new rows) take the stack? Not for a prefill, another attention backend, or a
-    windowed past (only drafters have one)."""
+    """Does this pass (n new rows) take the stack in one call? Not wider than MAX_ROWS (CPUTarget splits a causal
+    one), not for another attention backend or a windowed past (only drafters have one)."""
     return stack is not None and 1 <= n <= MAX_ROWS and backend == "sdpa" and vis.past is None
 
 
