@@ -112,6 +112,25 @@ def test_processed_probs_top_k_top_p():
     assert p[0, 0] == 1.0
 
 
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 20.0])  # flat rows need the head to grow, peaked ones do not
+def test_nucleus_equals_the_full_sort(scale):
+    """nucleus() sorts only the head of the order (topk, grown until it holds top_p): the same distribution, bit for
+    bit, as sorting the whole vocabulary, whatever the nucleus' size."""
+    from ddtree.engine.sampling import TOP_P_FIRST_K, nucleus
+
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    probs = (torch.randn(4, 5000, generator=gen) * scale).softmax(-1)
+    for top_p in (1e-6, 0.3, 0.9, 0.99, 1.0 - 1e-7):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(dim=-1) - sorted_p >= top_p, 0.0)
+        want = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        want = want / want.sum(dim=-1, keepdim=True)
+        got = nucleus(probs, top_p)
+        assert torch.equal(got, want), (scale, top_p)
+        assert ((got > 0).sum(-1) >= 1).all()
+    assert (nucleus(probs, 0.99) > 0).sum(-1).max() > TOP_P_FIRST_K or scale > 1  # flat rows grew the head
+
+
 def test_greedy_argmax_kernel_gives_torch_argmax():
     """The greedy choice goes through the CPU kernel's argmax_rows on float32 CPU logits: torch.argmax's index on
     every row, ties (the first maximum), infinities and NaNs (the first NaN) included."""

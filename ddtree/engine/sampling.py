@@ -8,6 +8,8 @@ import torch
 from ..runtime.cpu import qlinear
 from ..base.config import SamplingParams
 
+TOP_P_FIRST_K, TOP_P_GROWTH = 64, 8  # nucleus(): the first head of the order sorted, and how much it grows
+
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (fp32) after temperature, top-k and top-p."""
@@ -20,14 +22,26 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop = (sorted_p.cumsum(dim=-1) - sorted_p) >= params.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+    return nucleus(probs, params.top_p) if params.top_p < 1.0 else probs
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [N, V] -> the top-p distribution: in descending order, a token is dropped when the mass strictly before
+    it already reaches top_p (the top token always stays); renormalized. Only the head of the order is sorted: the
+    top k by topk, k growing TOP_P_GROWTH-fold from TOP_P_FIRST_K until those k hold top_p of every row, since every
+    token after them is then dropped (a full sort of a 49K vocabulary took 2.8 ms on a 2-core CPU, more than a
+    decoding step; topk of 64, 0.05 ms)."""
+    vocab = probs.shape[-1]
+    k = min(vocab, TOP_P_FIRST_K)
+    while True:
+        head, order = probs.topk(k, dim=-1)  # [N, k], descending
+        before = head.cumsum(dim=-1) - head  # the mass strictly before each
+        if k == vocab or bool((before[..., -1] + head[..., -1] >= top_p).all()):
+            break
+        k = min(vocab, TOP_P_GROWTH * k)
+    head = head.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, head)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
