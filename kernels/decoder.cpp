@@ -800,11 +800,38 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
-// One draw per row of probs [N, V] (non-negative, any scale): the first index whose running sum exceeds u * total,
-// u [N] uniform in [0, 1), the sums in double and in one order for the total and the scan (so the running sum
-// reaches the total and some index with p > 0 is always found). That is the categorical distribution p / total;
-// a zero p is never drawn. torch.multinomial draws an exponential per entry, over a whole vocabulary per row;
-// this is one uniform and one scan.
+// The sum in double of the entries p > 0 of p[0..n) (NaN and non-positive ones count 0), in one fixed order: eight
+// lanes (two vectors of four doubles) over the groups of 8, the lanes in order, then the tail.
+double positive_sum(const float* p, int64_t n) {
+  __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 x = _mm256_loadu_ps(p + j);
+    x = _mm256_and_ps(x, _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+  }
+  alignas(32) double lanes[8];
+  _mm256_store_pd(lanes, a0);
+  _mm256_store_pd(lanes + 4, a1);
+  double sum = 0.0;
+  for (const double lane : lanes) sum += lane;
+  for (; j < n; ++j)
+    if (p[j] > 0.0f) sum += double(p[j]);
+  return sum;
+}
+
+constexpr int64_t SAMPLE_BLOCK = 256;  // sample_rows' blocks of entries
+
+// One draw per row of probs [N, V] (non-negative, any scale) by the inverse CDF: u [N] uniform in [0, 1), target =
+// u * total; the first index whose running sum exceeds the target. The sums are in double, by blocks of SAMPLE_BLOCK
+// entries: the block sums (positive_sum), the total their running sum, and the scan skips whole blocks on that
+// running sum, then walks the block that crosses the target entry by entry from it (where rounding leaves that
+// block's walk short of the target, on to the next). That is the categorical distribution p / total up to the
+// rounding of double sums; a zero p is never drawn (a target that rounding puts past every running sum takes the
+// last index with p > 0). torch.multinomial draws an exponential per entry over a whole vocabulary per row; this is
+// one uniform, one vectorized pass and one block's walk.
 torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
   TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == torch::kFloat32 && probs.device().is_cpu() &&
                   probs.size(1) > 0, "sample_rows: probs must be float32 CPU [N, V] with V > 0");
@@ -812,25 +839,39 @@ torch::Tensor sample_rows(torch::Tensor probs, torch::Tensor u) {
               "sample_rows: u must be float64 [N]");
   probs = probs.contiguous();
   u = u.contiguous();
-  const int64_t n = probs.size(0), v = probs.size(1);
+  const int64_t n = probs.size(0), v = probs.size(1), blocks = (v + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
   torch::Tensor out = torch::empty({n}, probs.options().dtype(torch::kLong));
+  std::vector<double> sums(blocks);
   for (int64_t i = 0; i < n; ++i) {
     const float* p = probs.data_ptr<float>() + i * v;
     double total = 0.0;
-    for (int64_t j = 0; j < v; ++j)
-      if (p[j] > 0.0f) total += double(p[j]);  // the scan's own sums, in its order
+    for (int64_t b = 0; b < blocks; ++b) {
+      sums[b] = positive_sum(p + b * SAMPLE_BLOCK, std::min(SAMPLE_BLOCK, v - b * SAMPLE_BLOCK));
+      total += sums[b];
+    }
     TORCH_CHECK(total > 0.0 && std::isfinite(total), "sample_rows: row ", i, " has no probability mass (sum ", total, ")");
     const double target = u.data_ptr<double>()[i] * total;
     double cum = 0.0;
-    int64_t pick = -1, last = -1;  // last: the last index with p > 0, for a u * total that rounded up to total
-    for (int64_t j = 0; j < v && pick < 0; ++j) {
-      if (p[j] > 0.0f) {
-        cum += double(p[j]);
-        last = j;
-        if (cum > target) pick = j;
+    int64_t pick = -1;
+    for (int64_t b = 0; b < blocks && pick < 0; ++b) {
+      if (cum + sums[b] <= target) {  // the draw lies past this block
+        cum += sums[b];
+        continue;
+      }
+      for (int64_t j = b * SAMPLE_BLOCK, end = std::min(v, j + SAMPLE_BLOCK); j < end; ++j) {
+        if (p[j] > 0.0f) {
+          cum += double(p[j]);
+          if (cum > target) {
+            pick = j;
+            break;
+          }
+        }
       }
     }
-    out.data_ptr<int64_t>()[i] = pick >= 0 ? pick : last;
+    if (pick < 0)
+      for (int64_t j = v - 1; j >= 0 && pick < 0; --j)
+        if (p[j] > 0.0f) pick = j;
+    out.data_ptr<int64_t>()[i] = pick;
   }
   return out;
 }
