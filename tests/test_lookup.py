@@ -109,13 +109,13 @@ def test_auto_grafts_a_chain_while_its_tier_matches_and_learns_their_yield():
     method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)
     method._last, method._context = ([math.log(0.6)], [1]), None
     assert method.lookup.tier == 0 and method.graft_yield == [0.5] * 3
-    assert method.graft_pays([5, 6], 1, 2, True) and method._chain == ([5, 6], 2, 0)
+    assert method.graft_pays([5, 6], 2) and method._chain == ([5, 6], 2, 0)
     method.graft_yield[0] = method.GRAFT_FLOOR  # at the floor: still grafted
-    assert method.graft_pays([5, 6], 1, 2, True) and method.graft_pays([5, 6], 0, 2, False)
+    assert method.graft_pays([5, 6], 2)
     method.graft_yield[0] = 0.05
-    assert not method.graft_pays([5, 6], 1, 2, True) and not method.graft_pays([5, 6], 0, 2, False)
+    assert not method.graft_pays([5, 6], 2)
     method.lookup.tier = 2
-    assert method.graft_pays([5, 6], 1, 2, True)  # a long agreement's tier keeps its own yield
+    assert method.graft_pays([5, 6], 2)  # a long agreement's tier keeps its own yield
     method.lookup.tier = 0
     for _ in range(3):  # a chain that matched nothing committed, past what the drafter's node got
         method._last, method._chain = ([-0.2], [1]), ([5, 6], 2, 0)
@@ -124,7 +124,7 @@ def test_auto_grafts_a_chain_while_its_tier_matches_and_learns_their_yield():
     method._last, method._chain = ([-0.2], [1]), ([7, 8, 9], 2, 0)
     method.observe([0, 1], [7, 8, 9])  # the drafter got 1 token, the chain matched 3: 2 more over its 2 nodes
     assert method.graft_yield[0] > 0.25
-    assert method.graft_pays([5, 6], 1, 2, True)
+    assert method.graft_pays([5, 6], 2)
 
 
 def test_auto_judges_a_chain_once_the_text_reaches_its_end():

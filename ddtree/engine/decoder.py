@@ -170,23 +170,21 @@ class DDTree(Method):
             ids = ids[:b]  # [b] in the draft vocabulary
             tokens, parents, depths, grafted = ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], 0
             if self.lookup is not None and (chain := self.lookup.chain()[:room - 1 - b]):
-                tokens, parents, depths, grafted = self._graft(tokens, parents, depths, chain, b)
+                tokens, parents, depths, grafted = self._graft(tokens, parents, depths, chain)
             return DraftTree(tokens, parents, depths, draft_logits=logits, draft_ids=ids, grafted=grafted)
 
-    def _graft(self, tokens: torch.Tensor, parents: np.ndarray, depths: np.ndarray, chain: list[int], b: int,
-               drafted: bool = True) -> tuple:
-        """The tree (tokens [N], parents [N], depths [N]; b drafter nodes) with the lookup's `chain` grafted on
+    def _graft(self, tokens: torch.Tensor, parents: np.ndarray, depths: np.ndarray, chain: list[int]) -> tuple:
+        """The tree (tokens [N], parents [N], depths [N]) with the lookup's `chain` grafted on
         (tree.graft_chain) where graft_pays says so, and how many nodes that appended; else the same tree and 0."""
         listed = tokens.tolist(), parents.tolist(), depths.tolist()
         added = graft_chain(*listed, chain)
-        if not added or not self.graft_pays(chain, b, added, drafted):
+        if not added or not self.graft_pays(chain, added):
             return tokens, parents, depths, 0
         return (torch.tensor(listed[0], dtype=tokens.dtype, device=tokens.device),
                 np.array(listed[1], dtype=np.int64), np.array(listed[2], dtype=np.int64), added)
 
-    def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
-        """Whether to verify a chain that adds `added` nodes to the drafter's b (drafted: after a draft pass): a
-        fixed budget always does."""
+    def graft_pays(self, chain: list[int], added: int) -> bool:
+        """Whether to verify a chain that adds `added` nodes to the tree: a fixed budget always does."""
         return True
 
     def observe(self, path: list[int], committed: list[int]) -> None:
@@ -299,10 +297,10 @@ class AdaptiveDDTree(DDTree):
         if tree.size > 1 or self.lookup is None or not (chain := self.lookup.chain()[:room - 1]):
             return tree
         with timer("tree_build"):
-            tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain, 0, False)
+            tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain)
             return DraftTree(tokens, parents, depths, grafted=grafted)
 
-    def graft_pays(self, chain: list[int], b: int, added: int, drafted: bool) -> bool:
+    def graft_pays(self, chain: list[int], added: int) -> bool:
         """The chain's added nodes are verified while its tier's chains still match the text (GRAFT_FLOOR)."""
         tier = self.lookup.tier  # of this chain (ContextLookup.chain)
         self._chain = (chain, added, tier)
