@@ -166,12 +166,17 @@ def compact_copy(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | 
       weight) with int8 activations, where K % 64 == 0. The drafter shapes only the tree, never the tokens."""
     if weight.dtype != torch.float32:
         return None
-    if int8 and weight.dim() == 2 and weight.shape[1] % 64 == 0:
+    if int8 and _int8_blocks_fit(weight):
         return replace(qlinear.QWeight.quantize(weight, "Q4_1"), int8=True)
     blocks = qlinear.po2_q8(weight)
     if blocks is not None:
         return blocks
     return bf16_copy(weight)
+
+
+def _int8_blocks_fit(weight: torch.Tensor) -> bool:
+    """Can the int8 kernel take `weight` as blocks? [N, K] with K % 64 == 0."""
+    return weight.dim() == 2 and weight.shape[1] % 64 == 0
 
 
 def compact_or_same(weight: torch.Tensor, int8: bool = False) -> qlinear.QWeight | torch.Tensor:
@@ -184,7 +189,7 @@ def storage(weight: torch.Tensor, int8: bool = False) -> str:
     """What a CPU pass streams of `weight`: 'q4', 'q8' or 'bf16' where compact_copy(weight, int8) makes such a copy,
     else its dtype. A drafter's pass costs more in bf16 than in 8-bit blocks, and more in those than in 4-bit ones,
     so the adaptive budget's cost curve is kept per storage (cost_cache.cost_key)."""
-    if int8 and weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[1] % 64 == 0:
+    if int8 and weight.dtype == torch.float32 and _int8_blocks_fit(weight):  # compact_copy's 4-bit case
         return "q4"
     copy = compact_copy(weight)
     if copy is None:
