@@ -219,9 +219,9 @@ class AdaptiveDDTree(DDTree):
     chain) is at least GRAFT_FLOOR. A chain is judged once the text has reached its end, a step or a few later: a
     step that did not graft it commits only the drafter's tokens and the bonus, and judging it on those alone would
     count its later tokens as misses. The yield is learned per tier of the lookup (ContextLookup.tiers: how far the
-    chain's earlier occurrence agrees), since a long agreement copies on far more reliably than a 3-token one. (A
-    rate comparison on the cost curve, grafting where expected tokens per second rose, declined the first chains of
-    each passage the output copies, while the yield still lagged: docs/journal/cpu-speed-journal.md, stop 64.)
+    chain's earlier occurrence agrees), since a long agreement copies on far more reliably than a 3-token one. A
+    floor, not a rate comparison on the cost curve: the yield lags a passage the output starts to copy by the steps
+    its chains take to be judged, and a rate comparison declined exactly those first chains (docs/cpu-speed.md).
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next

@@ -29,17 +29,17 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [N, V] -> the top-p distribution: in descending order, a token is dropped when the mass strictly before
     it already reaches top_p (the top token always stays); renormalized. Only the head of the order is sorted: the
     top k by topk, k growing TOP_P_GROWTH-fold from TOP_P_FIRST_K until those k hold top_p of every row, since every
-    token after them is then dropped (a full sort of a 49K vocabulary took 2.8 ms on a 2-core CPU, more than a
-    decoding step; topk of 64, 0.05 ms)."""
+    token after them is then dropped (a nucleus is mostly a few tokens; sorting a whole vocabulary per draw costs
+    more than a decoding step on a CPU: docs/cpu-speed.md)."""
     vocab = probs.shape[-1]
     k = min(vocab, TOP_P_FIRST_K)
     while True:
         head, order = probs.topk(k, dim=-1)  # [N, k], descending
-        before = head.cumsum(dim=-1) - head  # the mass strictly before each
-        if k == vocab or bool((before[..., -1] + head[..., -1] >= top_p).all()):
+        mass = head.cumsum(dim=-1)  # the mass up to and including each
+        if k == vocab or bool((mass[..., -1] >= top_p).all()):
             break
         k = min(vocab, TOP_P_GROWTH * k)
-    head = head.masked_fill(before >= top_p, 0.0)
+    head = head.masked_fill(mass - head >= top_p, 0.0)  # the mass strictly before it
     kept = torch.zeros_like(probs).scatter_(-1, order, head)
     return kept / kept.sum(dim=-1, keepdim=True)
 

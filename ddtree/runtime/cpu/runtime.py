@@ -156,42 +156,44 @@ class CPUTarget(TargetRuntime):
         """TargetModel.forward, through the stack where it takes the pass."""
         self._follow_weights()
         ref = self.model
-        if vis.chain and stack.usable(self.stack, min(tokens.shape[0], stack.MAX_ROWS), ref.attention_backend, vis):
+        if stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):
+            hidden, features = self._stack_pass(tokens, positions, cache, 0, vis.ancestors, tap_layers, last_only)
+        elif vis.chain and stack.usable(self.stack, stack.MAX_ROWS, ref.attention_backend, vis):
             hidden, features = self._causal_passes(tokens, positions, cache, vis, tap_layers, last_only)
-        elif stack.usable(self.stack, tokens.shape[0], ref.attention_backend, vis):
-            # the embedding, the rotary rows, all layers and the final norm in one C++ call: after the previous pass
-            # has streamed the weights through the caches, each small torch op around them would run cold
-            cos, sin = ref.rotary.table(cache.length + tokens.shape[0], torch.float32)  # positions < past + N
-            hidden, features = self.stack.embed_forward(tokens if tokens.dtype == torch.long else tokens.long(),
-                                                        positions, ref.embed_table(), cos, sin, cache.k, cache.v,
-                                                        cache.length, vis.ancestors, list(tap_layers), last_only)
-            features = features if tap_layers else None
         else:
             hidden, features = ref.hidden_states(tokens, positions, cache, vis, tap_layers, last_only)
         return TargetOutput(RowLogits(self, hidden) if row_logits else self.logits(hidden), features)
 
     forward = __call__
 
+    def _stack_pass(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, offset: int, ancestors,
+                    tap_layers: tuple[int, ...], last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One stack pass over rows written at cache.length + offset: the embedding, the rotary rows, all layers and
+        the final norm in one C++ call (after the previous pass has streamed the weights through the caches, each
+        small torch op around them would run cold). -> (normed hidden [N or 1, H], taps [N, ...] or None)."""
+        ref, past = self.model, cache.length + offset
+        cos, sin = ref.rotary.table(past + tokens.shape[0], torch.float32)  # positions < past + N
+        hidden, features = self.stack.embed_forward(tokens if tokens.dtype == torch.long else tokens.long(),
+                                                    positions, ref.embed_table(), cos, sin, cache.k, cache.v, past,
+                                                    ancestors, list(tap_layers), last_only)
+        return hidden, features if tap_layers else None
+
     def _causal_passes(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis,
                        tap_layers: tuple[int, ...], last_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A causal pass (a prompt's prefill) as consecutive stack passes of at most stack.MAX_ROWS rows, each
-        seeing the K/V the ones before it wrote: no eager op per layer and row block (25% less time for 165-223
-        prompt tokens, docs/cpu-speed.md). -> (normed hidden [N or 1, H], taps [N, ...] or None)."""
-        ref, n, width = self.model, tokens.shape[0], stack.MAX_ROWS
-        cos, sin = ref.rotary.table(cache.length + n, torch.float32)  # positions < past + N
-        tokens = tokens if tokens.dtype == torch.long else tokens.long()
+        """A causal pass wider than a stack pass (a prompt's prefill) as consecutive stack passes of at most
+        stack.MAX_ROWS rows, each seeing the K/V the ones before it wrote, rather than the eager layers' small torch
+        ops per layer. -> (normed hidden [N or 1, H], taps [N, ...] or None)."""
+        n, width = tokens.shape[0], stack.MAX_ROWS
         hidden, features = [], []
         for start in range(0, n, width):
             stop = min(n, start + width)
             part = Visibility.causal(vis.past_len + start, stop - start, tokens.device)
-            h, f = self.stack.embed_forward(tokens[start:stop], positions[start:stop], ref.embed_table(), cos, sin,
-                                            cache.k, cache.v, cache.length + start, part.ancestors,
-                                            list(tap_layers), last_only)
+            h, f = self._stack_pass(tokens[start:stop], positions[start:stop], cache, start, part.ancestors,
+                                    tap_layers, last_only)
             if not last_only or stop == n:
                 hidden.append(h)
             features.append(f)
-        taps = (features[0] if len(features) == 1 else torch.cat(features)) if tap_layers else None
-        return hidden[0] if len(hidden) == 1 else torch.cat(hidden), taps
+        return torch.cat(hidden), torch.cat(features) if tap_layers else None
 
     def lazy_logits(self, rows: int) -> bool:
         """Should a verify of `rows` nodes return RowLogits? A walk reads about tau rows, each a 1-row head pass
