@@ -607,3 +607,41 @@ def test_a_prefill_wider_than_a_stack_pass_runs_as_consecutive_passes(last_only)
                                                         Visibility.causal(0, n, tokens.device), taps, last_only)
         torch.testing.assert_close(out.logits, target.logits(hidden), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.taps, eager_taps, rtol=1e-4, atol=1e-4)
+
+
+def test_a_wide_drafter_context_runs_as_stack_passes_with_the_bits_of_narrow_ones():
+    """A context wider than a stack pass (a prompt's) goes through the stack in parts of at most MAX_ROWS rows: each
+    row's K/V depend on that row alone, so they equal those of the same rows queued a few at a time, bit for bit, and
+    the eager ops' within float32 rounding."""
+    target, drafter = random_pair("llama", seed=3, num_draft_layers=2, init_scale=0.25)
+    width = len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size
+    n = 2 * cpu_stack.MAX_ROWS + 5
+    features = torch.randn(n, width, generator=torch.Generator().manual_seed(4))
+    calls = []
+    drafter.stack = _CountingContext(drafter.stack, calls)
+    wide, narrow = drafter.new_cache(n + 8), drafter.new_cache(n + 8)
+    drafter.add_context(wide, features)
+    drafter.flush_context(wide)
+    assert calls == [cpu_stack.MAX_ROWS, cpu_stack.MAX_ROWS, 5]
+    for start in range(0, n, 7):
+        drafter.add_context(narrow, features[start:start + 7])
+        drafter.flush_context(narrow)
+    assert wide.length == narrow.length == n
+    assert torch.equal(wide.k[:, :, :n], narrow.k[:, :, :n]) and torch.equal(wide.v[:, :, :n], narrow.v[:, :, :n])
+    drafter.context = False  # the eager ops
+    eager = drafter.new_cache(n + 8)
+    drafter.add_context(eager, features)
+    drafter.flush_context(eager)
+    torch.testing.assert_close(wide.k[:, :, :n], eager.k[:, :, :n], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(wide.v[:, :, :n], eager.v[:, :, :n], rtol=1e-5, atol=2e-5)
+
+
+class _CountingContext:
+    """A stack whose context() calls record their row counts (the rest is the stack's own)."""
+
+    def __init__(self, stack, calls):
+        self.stack, self.calls = stack, calls
+
+    def context(self, features, *args):
+        self.calls.append(features.shape[0])
+        return self.stack.context(features, *args)

@@ -13,7 +13,7 @@ from ddtree.engine.decoder import Decoder, make_method
 from ddtree.bench.testing import random_pair, random_target
 from ddtree.train.fused_ce import head_soft_cross_entropy
 from ddtree.train.model import DraftLoss, sample_anchors, target_features
-from ddtree.train.vocab import coverage, draft_vocabulary, with_draft_vocab
+from ddtree.train.vocab import coverage, draft_vocabulary, pruned_draft_vocab, with_draft_vocab
 from ddtree.train.data import Sequence
 
 VOCAB_IDS = torch.tensor(sorted(set(range(0, 96, 3)) | set(range(40, 70))))  # 52 of 96 target ids
@@ -144,3 +144,61 @@ def test_distillation_of_a_one_hot_teacher_is_the_hard_loss():
     for distill in (0.5, 1.0):
         soft, _ = DraftLoss(drafter, target, distill=distill)(tokens, feats, anchors, teacher=teacher)
         torch.testing.assert_close(soft, hard, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pruned_draft_vocabulary_keeps_the_drafters_columns_and_its_markov_head():
+    """pruned_draft_vocab: the drafter's logits at the kept draft ids (its own trained head's rows, not the target's;
+    within float32 rounding: the product's blocking depends on the head's size), d2t for their target ids, and the Markov head's columns for them; the layers carried over."""
+    from ddtree.bench.testing import add_markov_head
+
+    target = random_target("qwen3", seed=2, init_scale=0.25)
+    drafter = add_markov_head(untrained_drafter(target, 2, 8, seed=3, draft_vocab=VOCAB_IDS), rank=4)
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(torch.randn_like(drafter.lm_head.weight))  # its own rows, not the target's
+        drafter.markov.out.normal_()
+    keep = torch.tensor([0, 3, 4, 10, 30, len(VOCAB_IDS) - 1])
+    pruned = pruned_draft_vocab(drafter, keep)
+    assert pruned.cfg.draft_vocab_size == len(keep) and pruned.cfg.markov == drafter.cfg.markov
+    assert pruned.to_target_ids(torch.arange(len(keep))).tolist() == VOCAB_IDS[keep].tolist()
+    assert torch.equal(pruned.markov.out, drafter.markov.out[:, keep])
+    assert torch.equal(pruned.fc.weight, drafter.fc.weight)
+    feats = torch.randn(5, len(drafter.cfg.target_layer_ids) * target.cfg.hidden_size)
+    caches = drafter.new_cache(32), pruned.new_cache(32)
+    for d, c in zip((drafter, pruned), caches):
+        d.add_context(c, feats)
+    torch.testing.assert_close(pruned.draft(caches[1], torch.tensor([7])),
+                               drafter.draft(caches[0], torch.tensor([7]))[:, keep], rtol=1e-6, atol=1e-5)
+    for bad in (torch.tensor([3, 1]), torch.tensor([0, 0]), torch.tensor([len(VOCAB_IDS)]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="distinct draft ids in ascending order"):
+            pruned_draft_vocab(drafter, bad)
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        pruned_draft_vocab(untrained_drafter(target, 2, 8, seed=3), keep)
+
+
+def test_prune_vocab_keeps_the_most_frequent_answer_tokens_and_the_stop_token(tmp_path, monkeypatch):
+    """`train prune-vocab`: the --size draft tokens most frequent in --data's training answers, the target's stop
+    tokens always among them, written in the published format; a drafter pruned this way decodes like any other
+    (every method equals ar); bad requests are refused with exit code 2 before anything is written."""
+    from ddtree.train import cli
+    from conftest import run
+
+    target = random_target("qwen3", seed=2, init_scale=0.25)
+    drafter = untrained_drafter(target, 2, 8, seed=3, draft_vocab=VOCAB_IDS)
+    drafter.save(tmp_path / "src", torch.bfloat16)
+    stop = int(VOCAB_IDS[-1])  # a rare token: kept only because it stops answers
+    answers = [[40, 41, 41, 42, 42, 42, 0, 3, stop], [41, 42, 6, 6, 6, 6, 0, 3]]
+    monkeypatch.setattr(cli, "_load_target", lambda args: (target, None, [stop], None))
+    monkeypatch.setattr(cli, "read_sequences", lambda dirs, split: [Sequence([1, 2] + a, 2, "k", "s") for a in answers])
+    out = tmp_path / "pruned"
+    args = ["prune-vocab", "--draft", str(tmp_path / "src"), "--data", "d", "--size", "6", "--out", str(out)]
+    assert cli.main(args) == 0
+    pruned = DFlashDrafter.load(out, target=target)
+    kept = pruned.to_target_ids(torch.arange(6)).tolist()
+    assert kept == sorted([0, 3, 6, 41, 42, stop]), kept  # 6 x4, 42 x4, 41 x3, 0 x2, 3 x2, and the stop token
+    for prompt in ([5, 9, 2], [40, 41, 42, 43, 44]):
+        reference, _ = run(target, None, prompt, "ar", max_new_tokens=16)
+        for method, budget in (("dflash", None), ("ddtree", 4)):
+            assert run(target, pruned, prompt, method, budget=budget or 1, max_new_tokens=16)[0] == reference
+    assert cli.main(args) == 2  # --out holds a drafter: needs --force
+    assert cli.main(args[:-2] + ["--out", str(tmp_path / "x"), "--size", str(len(VOCAB_IDS))]) == 2  # nothing pruned
+    assert not (tmp_path / "x").exists()

@@ -110,4 +110,4 @@ def test_the_shipped_drafter(tmp_path):
     drafter.set_markov_head(None)
     drafter.save(tmp_path, torch.bfloat16)
     cfg = check_engine_format(tmp_path)
-    assert cfg["draft_vocab_size"] == 8192 and cfg["block_size"] == 8
+    assert cfg["draft_vocab_size"] == 4096 and cfg["block_size"] == 8

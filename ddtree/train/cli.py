@@ -43,7 +43,7 @@ from .probe import SIBLING_RANKS, probe, tree_tau
 from .prompts import Prompt, SCALE_MIX, build_prompts, with_follow_ups
 from .trainer import (CHECKPOINT, RUNTIME_FIELDS, TrainConfig, Trainer, drafter_from_checkpoint, init_distributed,
                       resume_config)
-from .vocab import coverage, draft_vocabulary, response_token_counts, with_draft_vocab
+from .vocab import coverage, draft_vocabulary, pruned_draft_vocab, response_token_counts, with_draft_vocab
 
 
 def default_mask_token_id(tokenizer, vocab_size: int) -> int:
@@ -401,13 +401,52 @@ def cmd_quantize(args) -> int:
             (rounded if blocks is not None else kept).append(name)
             if blocks is not None:
                 p.copy_(blocks.dequantize())
+    _write_drafter(drafter, out, source)
+    print(f"quantize: {len(rounded)} matrices rounded to 8-bit power-of-two blocks, {len(kept)} tensors kept "
+          f"(norms: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}); written to {out} in bfloat16 (its model "
+          f"card copied unchanged: say there that it is rounded)")
+    return 0
+
+
+def _write_drafter(drafter, out: Path, source: Path) -> None:
+    """A drafter made from the one in `source` (quantize, prune-vocab), written to `out` in bfloat16 with the source's
+    model card copied unchanged."""
     with replacing_dir(out) as tmp:
         drafter.save(tmp, torch.bfloat16)
         if (source / "README.md").is_file():
             shutil.copy(source / "README.md", tmp / "README.md")
-    print(f"quantize: {len(rounded)} matrices rounded to 8-bit power-of-two blocks, {len(kept)} tensors kept "
-          f"(norms: {', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}); written to {out} in bfloat16 (its model "
-          f"card copied unchanged: say there that it is rounded)")
+
+
+def cmd_prune_vocab(args) -> int:
+    """A drafter over the --size most frequent tokens of its draft vocabulary in --data's training answers (the
+    target's stop tokens always kept): its own head's rows, so its logits are the drafter's columns and its trees
+    the drafter's wherever the kept tokens carry them, for a head a fraction of the size (vocab.pruned_draft_vocab)."""
+    source = Path(args.draft)
+    if not (source / "config.json").is_file():
+        raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
+    out = _drafter_out(args.out, args.force)
+    drafter = DFlashDrafter.load(source)
+    if not drafter.cfg.reduced_vocab:
+        raise ConfigError(f"--draft {source} predicts over the target's whole vocabulary: prune-vocab keeps part of "
+                          "a reduced draft vocabulary (make one with `train fit --draft-vocab N`)")
+    if not args.size < drafter.cfg.draft_vocab_size:
+        raise ConfigError(f"--size {args.size}: the drafter's draft vocabulary has {drafter.cfg.draft_vocab_size} "
+                          "tokens; give fewer")
+    target, _, stops, _ = _load_target(args)
+    drafter.cfg.check_target(target.cfg)
+    train = read_sequences(args.data, "train")
+    if not train:
+        raise ConfigError(f"--data {' '.join(args.data)}: no training answers there (generate-data writes them)")
+    own = drafter.to_target_ids(torch.arange(drafter.cfg.draft_vocab_size))  # draft id -> target id
+    counts = response_token_counts(train, target.cfg.vocab_size)[own]
+    always = [int(i) for i in torch.nonzero(torch.isin(own, torch.tensor(sorted(stops), dtype=torch.long)))]
+    keep = draft_vocabulary(counts, args.size, always)
+    pruned = pruned_draft_vocab(drafter, keep)
+    _write_drafter(pruned, out, source)
+    print(f"prune-vocab: {args.size} of {drafter.cfg.draft_vocab_size} draft tokens kept; they cover "
+          f"{coverage(own[keep], train):.2%} of the training response tokens (all {drafter.cfg.draft_vocab_size}: "
+          f"{coverage(own, train):.2%}); written to {out} in bfloat16 (its model card copied unchanged: say there "
+          "that it is pruned)")
     return 0
 
 
@@ -682,6 +721,15 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--drop-markov", action="store_true", help="leave out the drafter's Markov head (markov-fit)")
     head.add_argument("--markov-from", metavar="DIR", help="carry this drafter's Markov head instead (the same draft "
                       "vocabulary: e.g. a head fitted on the drafter a fine-tune started from)")
+    v = sub.add_parser("prune-vocab", help="a drafter over the most frequent tokens of its draft vocabulary: a "
+                       "smaller head, the same drafts wherever those tokens carry them")
+    _target_args(v)
+    v.add_argument("--draft", required=True, help="drafter directory (published format, a reduced draft vocabulary)")
+    v.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="generate-data directories: their training answers' token counts pick the kept tokens")
+    v.add_argument("--size", required=True, type=cli_int(1), help="draft tokens to keep")
+    v.add_argument("--out", required=True, help="directory for the pruned drafter")
+    v.add_argument("--force", action="store_true", help="replace what --out holds")
     p = sub.add_parser("probe", help="a drafter's top-1 and tree acceptance at every position of greedy answers")
     _target_args(p)
     p.add_argument("--draft", help="drafter directory (default: the shipped one)")
@@ -737,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export, "quantize": cmd_quantize,
-                "export-prompts": cmd_export_prompts, "probe": cmd_probe,
+                "prune-vocab": cmd_prune_vocab, "export-prompts": cmd_export_prompts, "probe": cmd_probe,
                 "markov-tables": cmd_markov_tables, "markov-fit": cmd_markov_fit}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,3 +57,33 @@ def with_draft_vocab(drafter, ids: torch.Tensor, head_weight: torch.Tensor):
     if drafter._target:
         new.bind(drafter.target)
     return new
+
+
+def pruned_draft_vocab(drafter, keep: torch.Tensor):
+    """A copy of `drafter` (with a reduced draft vocabulary) predicting over its draft ids `keep` [n] (distinct, in
+    ascending order): the same layers, the rows `keep` of its own trained head, d2t for their target ids, and a
+    Markov head's columns `keep`. Its logits are the drafter's columns `keep`, so its trees are the drafter's with
+    the other tokens never drafted: a smaller head for the same drafts wherever the kept tokens carry them (`train
+    prune-vocab` keeps the most frequent response tokens)."""
+    drafter = reference(drafter)
+    if not drafter.cfg.reduced_vocab:
+        raise ValueError("pruned_draft_vocab: the drafter predicts over the target's whole vocabulary (no draft "
+                         "vocabulary of its own to prune); `train fit --draft-vocab N` makes one")
+    keep = keep.to(torch.long).cpu()
+    n = drafter.cfg.draft_vocab_size
+    if keep.dim() != 1 or not 1 <= keep.numel() <= n or not bool((keep[1:] > keep[:-1]).all()) or \
+            int(keep[0]) < 0 or int(keep[-1]) >= n:
+        raise ValueError(f"pruned_draft_vocab: keep must be distinct draft ids in ascending order within 0..{n - 1}")
+    cfg = replace(drafter.cfg, draft_vocab_size=int(keep.numel()))
+    new = DFlashDrafter(cfg, drafter.attention_backend)
+    state = drafter.state_dict()
+    device = drafter.fc.weight.device
+    state["lm_head.weight"] = state["lm_head.weight"][keep.to(device)]
+    state["d2t"] = drafter.to_target_ids(keep.to(device)) - torch.arange(keep.numel(), device=device)
+    if drafter.markov is not None:
+        state["markov.out"] = state["markov.out"][:, keep.to(device)]
+    new.load_state_dict(state)
+    new = new.to(device, drafter.fc.weight.dtype)
+    if drafter._target:
+        new.bind(drafter.target)
+    return new

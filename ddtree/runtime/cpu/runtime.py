@@ -324,15 +324,20 @@ class CPUDrafter(DrafterRuntime):
 
     @torch.inference_mode()
     def _context(self, cache: KVCache, features: torch.Tensor) -> None:
-        """DFlashDrafter.context_pass, as one C++ call instead of ~25 small torch ops where the stack has it."""
-        n, ref = features.shape[0], self.model
-        if self._stack_takes(features):
+        """DFlashDrafter.context_pass, as C++ calls of at most stack.MAX_ROWS rows each instead of ~25 small torch
+        ops where the stack has it: a prompt's context too. Each row's K/V depend on that row alone, so the parts
+        give the bits of one pass."""
+        ref = self.model
+        if not self._stack_takes(features[:stack.MAX_ROWS]):
+            ref.context_pass(cache, features)
+            return
+        for start in range(0, features.shape[0], stack.MAX_ROWS):
+            part = features[start:start + stack.MAX_ROWS]
+            n = part.shape[0]
             positions = torch.arange(cache.length, cache.length + n, device=features.device)
             cos, sin = ref.rotary(positions, features.dtype)
-            self.stack.context(features, cos, sin, cache.k, cache.v, cache.length)
+            self.stack.context(part, cos, sin, cache.k, cache.v, cache.length)
             cache.commit(n)
-        else:
-            ref.context_pass(cache, features)
 
     @torch.inference_mode()
     def draft(self, cache: KVCache, bonus: torch.Tensor, length: int | None = None) -> torch.Tensor:
