@@ -187,3 +187,16 @@ def test_a_curve_measured_on_a_busy_machine_serves_this_process_only(folder, cou
     monkeypatch.setattr(Meter, "busy", 0.1)
     cost_cache.verify_costs(target, drafter, 8, 257)
     assert len(counted) == 2 and len(list(folder.glob("*.json"))) == 1
+
+
+def test_a_drafter_with_a_smaller_head_gets_a_curve_of_its_own():
+    """The draft vocabulary's size is in the key: a pruned head (train prune-vocab) drafts for less, so a curve
+    measured with the larger head would overstate its draft cost."""
+    from ddtree.train.vocab import pruned_draft_vocab, with_draft_vocab
+
+    target, drafter = random_pair("llama", seed=5, block_size=8)
+    reduced = with_draft_vocab(drafter, torch.arange(0, 64), target.model.lm_head.weight)
+    pruned = pruned_draft_vocab(reduced, torch.arange(0, 64, 2))
+    assert cost_cache.cost_key(target, reduced, 8, 257) != cost_cache.cost_key(target, pruned, 8, 257)
+    assert cost_cache.cost_key(target, reduced, 8, 257) == cost_cache.cost_key(
+        target, with_draft_vocab(drafter, torch.arange(1, 65), target.model.lm_head.weight), 8, 257)

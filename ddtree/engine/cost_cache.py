@@ -70,7 +70,7 @@ def cost_key(target, drafter, block_size: int, max_nodes: int) -> dict:
                 target=[t.arch, t.vocab_size, t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads,
                         t.num_kv_heads, t.head_dim],
                 drafter=[d.num_layers, d.hidden_size, d.intermediate_size, d.num_heads, d.num_kv_heads,
-                         len(drafter.cfg.target_layer_ids)],
+                         len(drafter.cfg.target_layer_ids), drafter.cfg.draft_vocab],  # the head's rows: its cost
                 drafter_storage=drafter.describe()["storage"],  # q8 / bf16 / float32: what its pass streams
                 block_size=block_size, max_nodes=max_nodes,
                 **target.describe())  # its fast paths: quantization, C++ layers and kernel build, exact blocks
