@@ -111,3 +111,4 @@ def test_the_shipped_drafter(tmp_path):
     drafter.save(tmp_path, torch.bfloat16)
     cfg = check_engine_format(tmp_path)
     assert cfg["draft_vocab_size"] == 4096 and cfg["block_size"] == 8
+    assert 2 in drafter.to_target_ids(torch.arange(4096)).tolist()  # <|im_end|>, SmolLM2's stop token: draftable
