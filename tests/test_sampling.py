@@ -229,3 +229,18 @@ def test_sampling_with_grafted_lookup_chains_matches_target_distribution(pair):
     assert grafted > SAMPLES and accepted_grafts > SAMPLES // 10, (grafted, accepted_grafts)
     rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
     assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: ddtree+lookup is not lossless"
+
+
+def test_at_temperature_one_the_probabilities_are_the_divided_logits():
+    """processed_probs skips the division at T = 1 (it changes no bit there): the probabilities of dividing first,
+    bit for bit, with top-k and top-p too."""
+    from ddtree.engine.sampling import nucleus
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    for top_k, top_p in ((0, 1.0), (50, 1.0), (0, 0.8)):
+        scaled = logits / 1.0
+        if top_k:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+        expected = scaled.softmax(dim=-1)
+        expected = nucleus(expected, top_p) if top_p < 1.0 else expected
+        assert torch.equal(processed_probs(logits, SamplingParams(1.0, top_p, top_k)), expected), (top_k, top_p)

@@ -14,10 +14,11 @@ TOP_P_FIRST_K, TOP_P_GROWTH = 64, 8  # nucleus(): the first head of the order so
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> probabilities [N, V] (fp32) after temperature, top-k and top-p."""
     logits = logits.float()
-    scaled = logits / params.temperature
-    if torch.isposinf(scaled).any():  # a tiny temperature overflowed: the same distribution, scaled from the max
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # (the top token(s) at 0)
-    logits = scaled
+    if params.temperature != 1.0:  # at 1 the division changes no bit and cannot overflow
+        scaled = logits / params.temperature
+        if torch.isposinf(scaled).any():  # a tiny temperature overflowed: the same distribution, scaled from the max
+            scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # (the top token(s) at 0)
+        logits = scaled
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
