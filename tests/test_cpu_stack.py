@@ -637,7 +637,8 @@ def test_a_wide_drafter_context_runs_as_stack_passes_with_the_bits_of_narrow_one
 
 
 class _CountingContext:
-    """A stack whose context() calls record their row counts (the rest is the stack's own)."""
+    """Stands in for a drafter's stack where only its context() is called: records each call's row count, then
+    passes the call on to the stack."""
 
     def __init__(self, stack, calls):
         self.stack, self.calls = stack, calls

@@ -369,6 +369,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _drafter_dir(path, flag: str) -> Path:
+    """The drafter directory `path` given as `flag`; a ConfigError where it holds no config.json."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag} {path} is not a drafter directory (no config.json)")
+    return path
+
+
 def _drafter_out(path: str, force: bool) -> Path:
     """--out of export / quantize: a new or empty directory (or any, with --force) under a writable parent."""
     out = Path(path)
@@ -385,9 +393,7 @@ def cmd_quantize(args) -> int:
     """A drafter with every matrix rounded to 8-bit blocks with power-of-two scales (qlinear.round_po2_q8), saved
     in bfloat16, which holds those values exactly: a drafter in the published format like any other, whose float32
     CPU passes read 8.5 bits a weight instead of 16 (cpu_stack.compact_copy), with the same bits as its bf16 file."""
-    source = Path(args.draft)
-    if not (source / "config.json").is_file():
-        raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
+    source = _drafter_dir(args.draft, "--draft")
     out = _drafter_out(args.out, args.force)
     drafter = DFlashDrafter.load(source)
     if args.drop_markov:
@@ -421,9 +427,7 @@ def cmd_prune_vocab(args) -> int:
     """A drafter over the --size most frequent tokens of its draft vocabulary in --data's training answers (the
     target's stop tokens always kept): its own head's rows, so its logits are the drafter's columns and its trees
     the drafter's wherever the kept tokens carry them, for a head a fraction of the size (vocab.pruned_draft_vocab)."""
-    source = Path(args.draft)
-    if not (source / "config.json").is_file():
-        raise ConfigError(f"--draft {source} is not a drafter directory (no config.json)")
+    source = _drafter_dir(args.draft, "--draft")
     out = _drafter_out(args.out, args.force)
     drafter = DFlashDrafter.load(source)
     if not drafter.cfg.reduced_vocab:
@@ -453,9 +457,7 @@ def cmd_prune_vocab(args) -> int:
 def _donor_head(drafter, donor_dir: Path):
     """The Markov head of the drafter in donor_dir, for `drafter`: refused unless it indexes the same draft vocabulary
     (size and d2t) over the same block positions."""
-    if not (donor_dir / "config.json").is_file():
-        raise ConfigError(f"--markov-from {donor_dir} is not a drafter directory (no config.json)")
-    donor = DFlashDrafter.load(donor_dir)
+    donor = DFlashDrafter.load(_drafter_dir(donor_dir, "--markov-from"))
     if donor.markov is None:
         raise ConfigError(f"--markov-from {donor_dir}: that drafter has no Markov head (fit one with markov-fit)")
     same = donor.cfg.draft_vocab == drafter.cfg.draft_vocab and donor.cfg.block_size == drafter.cfg.block_size and \

@@ -78,10 +78,11 @@ def pruned_draft_vocab(drafter, keep: torch.Tensor):
     new = DFlashDrafter(cfg, drafter.attention_backend)
     state = drafter.state_dict()
     device = drafter.fc.weight.device
-    state["lm_head.weight"] = state["lm_head.weight"][keep.to(device)]
-    state["d2t"] = drafter.to_target_ids(keep.to(device)) - torch.arange(keep.numel(), device=device)
+    rows = keep.to(device)
+    state["lm_head.weight"] = state["lm_head.weight"][rows]
+    state["d2t"] = drafter.to_target_ids(rows) - torch.arange(keep.numel(), device=device)
     if drafter.markov is not None:
-        state["markov.out"] = state["markov.out"][:, keep.to(device)]
+        state["markov.out"] = state["markov.out"][:, rows]
     new.load_state_dict(state)
     new = new.to(device, drafter.fc.weight.dtype)
     if drafter._target:
