@@ -97,6 +97,13 @@ def oracle_draws(perm: torch.Tensor, preset: OraclePreset, depths: int, seed: in
     probs = prob_table(preset, depths, DEV)  # [depths, TOP_K + 1] or None
     logits_gen, drafts = torch.Generator(device=DEV).manual_seed(seed), itertools.count()
 
+    def restart(row: int) -> None:
+        """The next draft takes table row `row`, with the noise of a fresh oracle: runs of different methods that
+        restart at the same row see the same ranks step for step (paired draws, not each its own luck)."""
+        nonlocal drafts
+        drafts = itertools.count(row)
+        logits_gen.manual_seed(seed)
+
     def draw(bonus: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
         # a host root (the staged step's) becomes a device fill, not an upload that would wait on the device
         tok = bonus.view(1) if bonus.device == perm.device else torch.full((1,), int(bonus), device=perm.device)
@@ -107,6 +114,7 @@ def oracle_draws(perm: torch.Tensor, preset: OraclePreset, depths: int, seed: in
         row, rows_probs = ranks[next(drafts) % chains, :n], None if probs is None else probs[:n]
         return oracle_logits(torch.cat(truth), row, vocab, logits_gen, rows_probs)
 
+    draw.restart = restart
     return draw
 
 
@@ -122,6 +130,7 @@ def plant_oracle(drafter, perm: torch.Tensor, preset: OraclePreset, seed: int = 
         return draw(bonus, *logits.shape).to(logits.dtype)
 
     drafter.draft = types.MethodType(draft, drafter)
+    drafter.restart_oracle = draw.restart
 
 
 def implicit_syncs(dec, prompt: list[int], method, stops) -> float | None:
@@ -222,6 +231,74 @@ def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: 
     return out
 
 
+def prefill_profile(target, context: int, reps: int = 3, top: int = 8) -> dict:
+    """The prompt's prefill alone (the target over `context` rows, the last row's logits; what a generation's first
+    pass runs): its ms (median of reps, CUDA events) and, from one profiled run, the device time by kind of kernel
+    (matrix products, attention, the rest) and the longest kernels. On a CPU (SMOKE) the same from the CPU's ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = target.new_cache(context + 8)
+    ids = torch.randint(0, target.cfg.vocab_size, (context,), device=DEV)
+    positions, vis = torch.arange(context, device=DEV), Visibility.causal(0, context, DEV)
+
+    def run():
+        target(ids, positions, cache, vis, last_only=True)
+
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    cuda = DEV.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        run()
+        sync()
+    kinds, kernels = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}, []
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total) or 0
+        if us <= 0 or (cuda and e.key.startswith("aten::")):
+            continue
+        name = e.key.lower()
+        # attention first: cuDNN's flash kernel's name holds "sm90" too
+        kind = ("attention" if any(w in name for w in ("flash", "fmha", "attention", "sdpa"))
+                else "gemm" if any(w in name for w in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "aten::mm",
+                                                        "aten::addmm")) else "rest")
+        kinds[kind] += us / 1e3
+        kernels.append((us / 1e3, e.count, e.key[:90]))
+    kernels.sort(reverse=True)
+    out = dict(ms=sorted(times)[reps // 2], by_kind_ms=kinds, launches=sum(c for _, c, _ in kernels),
+               top=[dict(ms=ms, count=c, name=n) for ms, c, n in kernels[:top]])
+    # a lead for a faster prefill, not used by the engine: the norms' fp32 statistics in one fused op (the same
+    # order as the reference's: normalize in fp32, round, then scale), timed and compared bit for bit
+    from ddtree.models.layers import RMSNorm
+
+    logits = target(ids, positions, cache, vis, last_only=True).logits.clone()
+    k = cache.k[:, :, :context].clone()
+    plain = RMSNorm.forward
+    RMSNorm.forward = lambda self, x: self.weight * torch.nn.functional.rms_norm(
+        x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    try:
+        run()
+        fused = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            fused.append(1e3 * (time.perf_counter() - t0))
+        logits2 = target(ids, positions, cache, vis, last_only=True).logits
+        out["fused_norms"] = dict(ms=sorted(fused)[reps // 2], kv_equal=bool(torch.equal(k, cache.k[:, :, :context])),
+                                  logits_equal=bool(torch.equal(logits, logits2)),
+                                  kv_max_diff=float((k.float() - cache.k[:, :, :context].float()).abs().max()))
+    finally:
+        RMSNorm.forward = plain
+    return out
+
+
 def verdict(target, prompt: list[int], reference: list[int], tokens: list[int]) -> str:
     """The checker's greedy verdict (identical / tie_flip / error) of tokens against ar's, with the eager target's
     own logits (see ddtree/engine/checker.py)."""
@@ -289,8 +366,8 @@ def main():
         dec.target.new_cache(longest)  # the runtime keeps its largest cache: the graphs captured next stay valid
         dec.drafter.new_cache(longest)
         made = {(m, b): make_method(m, b, None, dec.drafter) for m, b in methods}
-        for (m, b), method in made.items():  # warm-up: Triton compiles, graphs are captured, cuBLAS picks
-            dec.generate(prompts[0][:64], method, SamplingParams(), 48, stops)
+        for (m, b), method in made.items():  # warm-up: Triton compiles, graphs are captured, cuBLAS picks (the
+            dec.generate(prompts[0], method, SamplingParams(), 48, stops)  # whole prompt: the prefill's shapes too)
         refs = {}
         for (m, b), method in made.items():
             new = secs = steps = acc = prefill = 0
@@ -298,6 +375,8 @@ def main():
             stages: dict[str, float] = {}
             verdicts = []
             for i, ids in enumerate(prompts):
+                if oracle is not None:  # prompt i's drafts take the same table rows whichever method runs
+                    dec.drafter.restart_oracle(i * (args.max_new_tokens + 1))
                 sync()
                 tokens, st = dec.generate(ids, method, SamplingParams(), args.max_new_tokens, stops)
                 new, secs, steps = new + st.new_tokens, secs + st.seconds, steps + st.steps
@@ -359,12 +438,23 @@ def main():
         print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s (read+write), "
               f"weights read once: {floor_ms:.2f} ms")
         tflops = gemm_tflops()
-        matmul_params = sum(p.numel() for n, p in ref_t.named_parameters() if "embed_tokens" not in n)
-        prefill_floor_ms = 1e3 * 2 * matmul_params * args.context / (tflops * 1e12) if tflops == tflops else float("nan")
+        # the prefill's products: every layer's over the prompt's rows, the LM head over its last row alone
+        layer_params = sum(p.numel() for n, p in ref_t.named_parameters()
+                           if p.dim() == 2 and "embed_tokens" not in n and n != "lm_head.weight")
+        flops = 2 * (layer_params * args.context + ref_t.lm_head.weight.numel())
+        prefill_floor_ms = 1e3 * flops / (tflops * 1e12) if tflops == tflops else float("nan")
+        report.update(prefill_profile=prefill_profile(ref_t, args.context))
         checks = issue_53_checks(rows, prefill_floor_ms) if "graphs" in decoders else []
         report.update(gemm_tflops=tflops, prefill_floor_ms=prefill_floor_ms, issue_53=checks)
         print(f"bf16 GEMM {tflops:.0f} TFLOP/s; the {args.context}-token prefill's matmuls at that rate: "
               f"{prefill_floor_ms:.1f} ms")
+        prof = report["prefill_profile"]
+        print(f"prefill alone: {prof['ms']:.1f} ms ({prof['ms'] / prefill_floor_ms:.2f}x the floor), device time "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in prof["by_kind_ms"].items())
+              + f" over {prof['launches']} kernels; longest:")
+        for k in prof["top"]:
+            print(f"  {k['ms']:7.2f} ms {k['count']:5d}x {k['name']}")
+        print(f"prefill with fused norm statistics (a lead, not the engine's): {prof['fused_norms']}")
         print("\n".join(checks))
     path = os.path.join(os.environ.get("OUT", "."), f"gpu_e2e_{args.which}.json")
     with open(path, "w") as f:
