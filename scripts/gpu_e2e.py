@@ -244,15 +244,19 @@ def prefill_profile(target, context: int, reps: int = 3, top: int = 8) -> dict:
     def run():
         target(ids, positions, cache, vis, last_only=True)
 
-    for _ in range(2):
+    def median_ms() -> float:  # after two untimed runs
         run()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
         run()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t0))
+        times = []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[reps // 2]
+
+    ms = median_ms()
     cuda = DEV.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         run()
@@ -270,7 +274,7 @@ def prefill_profile(target, context: int, reps: int = 3, top: int = 8) -> dict:
         kinds[kind] += us / 1e3
         kernels.append((us / 1e3, e.count, e.key[:90]))
     kernels.sort(reverse=True)
-    out = dict(ms=sorted(times)[reps // 2], by_kind_ms=kinds, launches=sum(c for _, c, _ in kernels),
+    out = dict(ms=ms, by_kind_ms=kinds, launches=sum(c for _, c, _ in kernels),
                top=[dict(ms=ms, count=c, name=n) for ms, c, n in kernels[:top]])
     # a lead for a faster prefill, not used by the engine: the norms' fp32 statistics in one fused op (the same
     # order as the reference's: normalize in fp32, round, then scale), timed and compared bit for bit
@@ -282,16 +286,9 @@ def prefill_profile(target, context: int, reps: int = 3, top: int = 8) -> dict:
     RMSNorm.forward = lambda self, x: self.weight * torch.nn.functional.rms_norm(
         x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
     try:
-        run()
-        fused = []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            run()
-            sync()
-            fused.append(1e3 * (time.perf_counter() - t0))
+        fused_ms = median_ms()
         logits2 = target(ids, positions, cache, vis, last_only=True).logits
-        out["fused_norms"] = dict(ms=sorted(fused)[reps // 2], kv_equal=bool(torch.equal(k, cache.k[:, :, :context])),
+        out["fused_norms"] = dict(ms=fused_ms, kv_equal=bool(torch.equal(k, cache.k[:, :, :context])),
                                   logits_equal=bool(torch.equal(logits, logits2)),
                                   kv_max_diff=float((k.float() - cache.k[:, :, :context].float()).abs().max()))
     finally:
