@@ -12,6 +12,7 @@ import torch
 from .models.attention import Visibility
 from .engine.checker import Verdict, check_tokens
 from .base.config import ConfigError, SamplingParams
+from .base.gc_pause import gc_paused
 from .runtime.cpu.qlinear import resolve_cpu_kernel
 from .runtime.attach import attach
 from .runtime.cpu.runtime import cpu_target
@@ -276,6 +277,14 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     variable (DDTREE_CPU_KERNEL, DDTREE_CPU_ISA, DDTREE_GGUF_BLOCKS, DDTREE_MARKOV_HEAD, DDTREE_THREADS,
     DDTREE_CUDA_GRAPHS, DDTREE_ATTENTION), else the default; read once, here (ddtree/base/options.py). The pair
     keeps them as `pair.options`."""
+    with gc_paused():  # the load builds ~100K+ long-lived objects: full collections over them cost ~1/4 of it
+        return _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks,
+                     markov_head, threads, cuda_graphs)
+
+
+def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks, markov_head,
+          threads, cuda_graphs) -> Pair:
+    """load()'s body, with its arguments as given."""
     options = LoadOptions.resolve(cpu_kernel, gguf_blocks, markov_head, cuda_graphs, attention_backend, quant,
                                   threads)  # bad values are refused here, before the slow load
     kernel = resolve_cpu_kernel(options.kernel)
