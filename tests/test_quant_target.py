@@ -230,3 +230,20 @@ def test_quantized_and_float_targets_keep_separate_verify_cost_curves(tmp_path):
     drafter = untrained_drafter(f, 1, 8)
     assert cost_key(q, drafter, 8, 64) != cost_key(f, drafter, 8, 64)
     assert cost_key(q, drafter, 8, 64)["quant"] == "gguf Q4_1/Q8_0" and "quant" not in cost_key(f, drafter, 8, 64)
+
+
+def test_a_gguf_the_table_reader_refuses_goes_to_gguf_py(tmp_path, monkeypatch):
+    """read_tensors takes little-endian v2 / v3 files; for any other (big-endian, v1), gguf-py's reader gives the
+    same blocks."""
+    target = quantizable_target("qwen3", runtime=False)
+    path = write_gguf(quantizable_target("qwen3"), tmp_path / "m.gguf", template(tmp_path / "t.gguf"), quant="Q4_1")
+    layers, head = quant_target.gguf_blocks(target, path)
+
+    def refuse(p):
+        raise ValueError("a big-endian file")
+
+    monkeypatch.setattr(quant_target, "read_tensors", refuse)
+    layers2, head2 = quant_target.gguf_blocks(target, path)
+    pairs = [(a[k], b[k]) for a, b in zip(layers, layers2) for k in a] + [(head, head2)]
+    assert len(pairs) > 1 and all(isinstance(a, QWeight) for a, _ in pairs)
+    assert all(a.kind == b.kind and torch.equal(a.dequantize(), b.dequantize()) for a, b in pairs)

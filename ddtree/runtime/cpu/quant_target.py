@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ...base.config import ConfigError
+from ...models.gguf_tensors import GGUFTensor, read_tensors
 from ...models.protocol import reference
 from .qlinear import KINDS, QLinear, QWeight, last_level_cache_bytes
 
@@ -37,7 +38,7 @@ def llama_row_order(rows: int, heads: int) -> torch.Tensor:
 
 def _matching(tensor, weight: torch.Tensor, heads: int | None, name: str) -> QWeight | None:
     """The GGUF tensor as a QWeight equal to `weight` when dequantized; None for a type that stays float."""
-    kind = tensor.tensor_type.name
+    kind = tensor.kind
     if kind not in KINDS:
         return None
     q = QWeight.from_blocks(kind, tensor.data, tuple(weight.shape))
@@ -94,14 +95,24 @@ def int8_activations(quant: str | None) -> bool:
     return bool(quant) and quant.endswith(" int8")
 
 
+def _tensors(gguf_path: Path) -> dict[str, GGUFTensor]:
+    """The file's tensors by name: read_tensors (the table alone), or gguf-py's reader for a file it does not take
+    (big-endian, version 1)."""
+    try:
+        return read_tensors(gguf_path)
+    except ValueError:
+        from gguf import GGUFReader
+
+        return {t.name: GGUFTensor(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), t.data)
+                for t in GGUFReader(str(gguf_path)).tensors}
+
+
 def gguf_blocks(target, gguf_path: Path) -> tuple[list[dict[str, QWeight | None]], QWeight | None]:
     """The GGUF's blocks of each layer's projections (by module path, LAYER_TENSORS) and of the LM head, each
     checked to dequantize exactly to the float weight `target` holds (None for a tensor type that stays float).
     A ConfigError where the file is unreadable, lacks a tensor, or is not these float weights."""
-    from gguf import GGUFReader
-
     try:
-        tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+        tensors = _tensors(gguf_path)
     except Exception as e:  # noqa: BLE001 - gguf raises many types for a bad file
         raise ConfigError(f"cannot read GGUF {gguf_path} ({type(e).__name__}: {e})") from e
     cfg, layers = target.cfg, []
