@@ -421,3 +421,29 @@ def test_a_damaged_generation_config_is_refused_with_the_fix(model_dirs, text):
     with pytest.raises(ConfigError, match=r"generation_config.json.*restore the file that came with the model, or "
                                           r"delete it"):
         ddtree.load(target=target_dir)
+
+
+def test_a_load_builds_nothing_on_the_meta_device_that_imports_the_compiler_stack(model_dirs, tmp_path):
+    """A target and a drafter with a Markov head are built on the meta device, then filled: a random init or an
+    arithmetic op there would import torch._dynamo (~0.3 s, ~90 MB) for values thrown away. In a fresh process,
+    after importing what load() imports anyway."""
+    import subprocess
+    import sys
+
+    target_dir, _ = model_dirs
+    _, drafter = random_pair("llama", seed=1, num_draft_layers=2)
+    add_markov_head(drafter, rank=4, seed=2)
+    drafter.model.save(tmp_path / "with-head")
+    code = ("import sys, torch, transformers, ddtree\n"
+            "before = 'torch._dynamo' in sys.modules\n"
+            f"pair = ddtree.load({str(target_dir)!r}, {str(tmp_path / 'with-head')!r}, cpu_kernel='off', "
+            "markov_head=True)\n"
+            "from ddtree.models.protocol import reference\n"
+            "drafter = reference(pair.drafter)\n"
+            "assert drafter.markov is not None and drafter.rotary is not None\n"
+            "print('already' if before else 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip() == "already":
+        pytest.skip("this torch / transformers imports torch._dynamo by itself")
+    assert out.stdout.strip() == "False"

@@ -209,7 +209,9 @@ def _attention_options(cfg: dict, dflash: dict, num_layers: int) -> dict:
 class DFlashDrafter(nn.Module):
     label = ""  # what the stats call it: "shipped", "untrained" or the path it was loaded from (ddtree.load)
 
-    def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa"):
+    def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa", loaded: bool = False):
+        """loaded: built on the meta device for fill() (on_meta), where a random init would import torch's compiler
+        stack (~0.3 s): the Markov head's projection is left uninitialized and the rotary table is fill()'s to make."""
         super().__init__()
         m = cfg.model
         self.cfg = cfg
@@ -222,9 +224,9 @@ class DFlashDrafter(nn.Module):
             self.lm_head = nn.Linear(m.hidden_size, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # parent-conditioned trees (ddtree/models/markov.py); None drafts exactly as the published drafter
-        self.markov = (MarkovHead(m.hidden_size, cfg.draft_vocab, cfg.block_size - 1, *cfg.markov)
+        self.markov = (MarkovHead(m.hidden_size, cfg.draft_vocab, cfg.block_size - 1, *cfg.markov, loaded=loaded)
                        if cfg.markov is not None else None)
-        self.rotary = Rotary(m)
+        self.rotary = None if loaded else Rotary(m)
         self.attention_backend = attention_backend
         self._target = ()  # the bound target, kept out of the module tree (its weights are not ours to save)
 
@@ -399,7 +401,7 @@ class DFlashDrafter(nn.Module):
     def on_meta(cls, cfg: DrafterConfig, attention_backend: str = "sdpa") -> "DFlashDrafter":
         """A drafter of this config whose tensors have shapes but no memory yet (fill gives them their values)."""
         with torch.device("meta"):
-            return cls(cfg, attention_backend)
+            return cls(cfg, attention_backend, loaded=True)
 
     def fill(self, state: dict, source) -> "DFlashDrafter":
         """An on_meta drafter's tensors from `state` (taken as they are, no copy); a ConfigError when it does not

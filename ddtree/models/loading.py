@@ -338,7 +338,7 @@ def load_target(directory: Path, dtype: torch.dtype, device, attention_backend: 
         raise ConfigError(f"{directory}: {e}") from None
     backend = attention_backend
     with torch.device("meta"):  # no random init of weights we are about to replace
-        model = TargetModel(cfg, backend)
+        model = TargetModel(cfg, backend, loaded=True)
     tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     check_weights(model, {k: v for k, v in safetensors_shapes(directory).items() if k not in tied}, directory,
                   optional=tied)

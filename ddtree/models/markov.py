@@ -37,12 +37,15 @@ CONFIG_KEY = "markov_head"
 class MarkovHead(nn.Module):
     """b_d(u, v) = scale[d - 1] * (E[u] @ proj) . out[:, v] for block positions d = 1..positions."""
 
-    def __init__(self, hidden_size: int, draft_vocab: int, positions: int, rank: int = 64, candidates: int = 32):
+    def __init__(self, hidden_size: int, draft_vocab: int, positions: int, rank: int = 64, candidates: int = 32,
+                 loaded: bool = False):
+        """loaded: its weights are loaded next (DFlashDrafter.on_meta): proj is left uninitialized."""
         super().__init__()
         if rank < 1 or candidates < 1:
             raise ValueError(f"markov head rank and candidates must be >= 1, got {rank} and {candidates}")
         self.rank, self.candidates = rank, candidates
-        self.proj = nn.Parameter(torch.randn(hidden_size, rank) * hidden_size ** -0.5)  # [H, r]
+        proj = torch.empty(hidden_size, rank) if loaded else torch.randn(hidden_size, rank) * hidden_size ** -0.5
+        self.proj = nn.Parameter(proj)  # [H, r]
         self.out = nn.Parameter(torch.zeros(rank, draft_vocab))  # [r, draft vocab]: zero = no bias
         self.scale = nn.Parameter(torch.ones(positions))  # [block_size - 1]
         self._host = None  # (weights' key, tensors, arrays): host_tensors' (codes, out.T, scales), made on first use

@@ -13,9 +13,11 @@ from .protocol import RowLogits, TargetOutput
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, loaded: bool = False):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # loaded: an uninitialized table, whose values the caller loads next
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size) if loaded else None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cfg.qk_norm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -30,14 +32,17 @@ class TargetModel(nn.Module):
     step_ops = None  # the engine's own step operations (a runtime may supply faster ones: Target.step_ops)
     host_inputs = False  # its passes take device tensors
 
-    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa"):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa", loaded: bool = False):
+        """loaded: the weights are loaded right after (models/loading.py, on the meta device, where an op imports
+        torch's compiler stack, ~0.3-0.9 s): the embedding table is left uninitialized and the rotary table is the
+        loader's to make."""
         super().__init__()
         self.cfg = cfg
-        self.model = _Backbone(cfg)
+        self.model = _Backbone(cfg, loaded)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg)
+        self.rotary = None if loaded else Rotary(cfg)  # loaded: the loader makes it (its table is derived, not stored)
         self.attention_backend = attention_backend  # "sdpa" or "triton", resolved at load (resolve_backend)
 
     @property
