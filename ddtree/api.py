@@ -13,6 +13,7 @@ from .models.attention import Visibility
 from .engine.checker import Verdict, check_tokens
 from .base.config import ConfigError, SamplingParams
 from .base.gc_pause import gc_paused
+from .base.machine_load import LoadMeter
 from .runtime.cpu.qlinear import resolve_cpu_kernel
 from .runtime.attach import attach
 from .runtime.cpu.runtime import cpu_target
@@ -285,6 +286,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
 def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks, markov_head,
           threads, cuda_graphs) -> Pair:
     """load()'s body, with its arguments as given."""
+    meter = LoadMeter()  # how busy other processes keep the cores, measured while the target loads (load_threads)
     options = LoadOptions.resolve(cpu_kernel, gguf_blocks, markov_head, cuda_graphs, attention_backend, quant,
                                   threads)  # bad values are refused here, before the slow load
     kernel = resolve_cpu_kernel(options.kernel)
@@ -296,10 +298,10 @@ def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_k
     dtype = default_dtype(device) if dtype is None and not quant else parse_dtype(dtype or "float32")
     directory = resolve_target_dir(target)
     source = source_gguf(target)
-    options = replace(options, threads=load_threads(options, torch.get_num_threads()))
+    model = load_target(directory, dtype, device, options.attention, backend)
+    options = replace(options, threads=load_threads(options, torch.get_num_threads(), meter))
     torch.set_num_threads(options.threads)  # once, before the runtime picks its paths by the thread count
-    tgt = cpu_target(load_target(directory, dtype, device, options.attention, backend), options.kernel,
-                     quant_gguf=gguf, source_gguf=source, conversion=directory,
+    tgt = cpu_target(model, options.kernel, quant_gguf=gguf, source_gguf=source, conversion=directory,
                      gguf_blocks=options.gguf_blocks, int8=options.int8)
     tokenizer = load_tokenizer(directory)
     if draft is not None:

@@ -48,6 +48,20 @@ def test_a_lap_is_the_cores_other_processes_used():
     assert sibling.lap() == pytest.approx(0.0, abs=0.01)
 
 
+def test_lap_after_waits_only_what_is_left_of_the_window(monkeypatch):
+    """A meter made before a load's work measures during it: lap_after(0.5) sleeps the rest of the 0.5 s, none
+    after a longer stretch of work, and reads what other processes used over the whole of it."""
+    m, slept = Machine(), []
+    monkeypatch.setattr(machine_load.time, "sleep", lambda s: (slept.append(s), m.run(s, 0.0, 1.0)))
+    meter = m.meter()
+    m.run(0.2, own_cores=1.0, other_cores=1.0)  # the load's first 0.2 s, beside a busy process
+    assert meter.lap_after(0.5) == pytest.approx(1.0, abs=0.01) and slept == [pytest.approx(0.3)]
+    m.run(1.5, own_cores=2.0, other_cores=0.0)
+    assert meter.lap_after(0.5) == pytest.approx(0.0, abs=0.01) and slept[-1] == 0.0
+    unknown = LoadMeter(read_stat=lambda: None)
+    assert unknown.lap_after(0.5) is None and len(slept) == 2  # nothing to wait for
+
+
 def test_the_load_is_unknown_where_proc_stat_cannot_be_read():
     meter = LoadMeter(read_stat=lambda: None)
     assert meter.lap() is None

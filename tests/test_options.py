@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import types
+
 import pytest
 import torch
 
@@ -112,6 +114,9 @@ def test_threads_fit_the_machine(monkeypatch, capsys):
     assert load_threads(LoadOptions(), current=1) == 1  # never raised above what the process has
     monkeypatch.setattr(opts, "busy_cores", lambda seconds=0.5: pytest.fail("measured although given"))
     assert load_threads(LoadOptions(threads=2), current=1) == 2
+    monkeypatch.setattr(opts, "busy_cores", lambda seconds=0.5: pytest.fail("a meter was given"))
+    meter = types.SimpleNamespace(lap_after=lambda seconds: 1.2)  # made when the load began (api.load)
+    assert load_threads(LoadOptions(), current=2, meter=meter) == 1
     monkeypatch.setenv("DDTREE_THREADS", "3")
     assert load_threads(LoadOptions.resolve(), current=1) == 3
     assert load_threads(LoadOptions.resolve(threads=1), current=2) == 1

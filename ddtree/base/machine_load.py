@@ -67,6 +67,14 @@ class LoadMeter:
         return max(0.0, others / (now[2] - last[2]) - self.expected)
 
 
+    def lap_after(self, seconds: float) -> float | None:
+        """lap(), once at least `seconds` have passed since the previous sample (sleeping the rest): a meter made
+        before some work measures the machine while the work runs, and only what is left of the window is waited."""
+        if self._last is not None:
+            time.sleep(max(0.0, seconds - (self._clock() - self._last[2])))
+        return self.lap()
+
+
 def busy_cores(seconds: float = 0.5) -> float | None:
     """Cores other processes use right now, averaged over `seconds` (None where unknown)."""
     meter = LoadMeter()

@@ -25,7 +25,7 @@ from enum import Enum
 
 from .config import CPU_KERNELS, ConfigError, check_int, cli_int
 from .knobs import env_choice, env_flag, env_int
-from .machine_load import busy_cores, default_threads
+from .machine_load import LoadMeter, busy_cores, default_threads
 
 ISAS = ("auto", "avx2", "avx512")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton")  # models/attention.py's BACKENDS
@@ -124,11 +124,13 @@ class LoadOptions:
         )
 
 
-def machine_threads(world: int = 1, busy: float | None = None, notice: bool = True) -> int:
-    """The threads a process gets by default: the cores other processes leave free (measured now, over 0.5 s,
-    where `busy` is not given), shared by `world` processes; with a one-line notice on stderr when other
-    processes keep cores busy."""
-    busy = busy_cores(0.5) if busy is None else busy
+def machine_threads(world: int = 1, busy: float | None = None, notice: bool = True,
+                    meter: LoadMeter | None = None) -> int:
+    """The threads a process gets by default: the cores other processes leave free (measured over 0.5 s where
+    `busy` is not given: since `meter` was made, or from now), shared by `world` processes; with a one-line notice
+    on stderr when other processes keep cores busy."""
+    if busy is None:
+        busy = busy_cores(0.5) if meter is None else meter.lap_after(0.5)
     threads = default_threads(world, busy)
     if notice and busy is not None and round(busy) >= 1:
         print(f"ddtree: other processes keep {busy:.1f} cores busy: {threads} thread(s) (--threads, "
@@ -136,13 +138,13 @@ def machine_threads(world: int = 1, busy: float | None = None, notice: bool = Tr
     return threads
 
 
-def load_threads(options: LoadOptions, current: int) -> int:
+def load_threads(options: LoadOptions, current: int, meter: LoadMeter | None = None) -> int:
     """The torch threads a load sets: options.threads where given (argument or DDTREE_THREADS), else the cores
-    other processes leave free, never more than the process has now (`current`: torch's default, or what its
-    caller set; at 1 nothing is measured)."""
+    other processes leave free (machine_threads; `meter`: made when the load began), never more than the process
+    has now (`current`: torch's default, or what its caller set; at 1 nothing is measured)."""
     if options.threads is not None:
         return options.threads
-    return current if current <= 1 else min(current, machine_threads())
+    return current if current <= 1 else min(current, machine_threads(meter=meter))
 
 
 # --- the command line's model flags (python -m ddtree generate/compare/chat/serve and the benchmark) --------------
