@@ -66,7 +66,6 @@ class LoadMeter:
         others = (now[0] - last[0]) - (now[1] - last[1])
         return max(0.0, others / (now[2] - last[2]) - self.expected)
 
-
     def lap_after(self, seconds: float) -> float | None:
         """lap(), once at least `seconds` have passed since the previous sample (sleeping the rest): a meter made
         before some work measures the machine while the work runs, and only what is left of the window is waited."""
