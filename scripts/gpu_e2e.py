@@ -233,8 +233,9 @@ def time_passes(target, context: int, sizes=(1, 8, 16, 32, 64, 128, 256), reps: 
 
 def prefill_profile(target, context: int, reps: int = 3, top: int = 8) -> dict:
     """The prompt's prefill alone (the target over `context` rows, the last row's logits; what a generation's first
-    pass runs): its ms (median of reps, CUDA events) and, from one profiled run, the device time by kind of kernel
-    (matrix products, attention, the rest) and the longest kernels. On a CPU (SMOKE) the same from the CPU's ops."""
+    pass runs): its ms (median of reps, wall time between synchronizations) and, from one profiled run, the device
+    time by kind of kernel (matrix products, attention, the rest) and the longest kernels. On a CPU (SMOKE) the same
+    from the CPU's ops."""
     from torch.profiler import ProfilerActivity, profile
 
     cache = target.new_cache(context + 8)

@@ -92,9 +92,9 @@ def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
             n_dims = cursor.unpack("<I")
             if not 1 <= n_dims <= 8:
                 raise ValueError(f"{path}: tensor {name} has {n_dims} dimensions")
-            dims = cursor.unpack(f"<{n_dims}Q")
+            dims = tuple(cursor.unpack("<Q") for _ in range(n_dims))
             kind, offset = cursor.unpack("<IQ")
-            table.append((name, (dims,) if isinstance(dims, int) else dims, kind, offset))
+            table.append((name, dims, kind, offset))
     except struct.error as e:
         raise ValueError(f"{path}: its header ends early ({e})") from e
     start = -(-cursor.pos // alignment) * alignment
@@ -107,6 +107,6 @@ def read_tensors(path: str | Path) -> dict[str, GGUFTensor]:
         at = start + offset
         if dims[0] % block or at + rows * row_bytes > len(data):
             raise ValueError(f"{path}: tensor {name} ({ggml.name} {list(dims)}) does not fit the file")
-        tensors[name] = GGUFTensor(name, ggml.name, tuple(int(d) for d in dims),
+        tensors[name] = GGUFTensor(name, ggml.name, dims,
                                    data[at:at + rows * row_bytes].reshape(rows, row_bytes))
     return tensors
