@@ -278,7 +278,7 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     variable (DDTREE_CPU_KERNEL, DDTREE_CPU_ISA, DDTREE_GGUF_BLOCKS, DDTREE_MARKOV_HEAD, DDTREE_THREADS,
     DDTREE_CUDA_GRAPHS, DDTREE_ATTENTION), else the default; read once, here (ddtree/base/options.py). The pair
     keeps them as `pair.options`."""
-    with gc_paused():  # the load builds ~100K+ long-lived objects: full collections over them cost ~1/4 of it
+    with gc_paused():  # the load builds many long-lived objects, which each full collection would scan again
         return _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks,
                      markov_head, threads, cuda_graphs)
 

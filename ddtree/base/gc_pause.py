@@ -1,9 +1,9 @@
 """Python's cyclic garbage collector paused over a block that builds many long-lived objects.
 
 Loading a pair makes containers by the hundred thousand (the model's modules and tensors, the runtime's copies, the
-tokenizer's tables) after the imports already hold ~380K. Each of the collector's full passes scans all of them, and
-the allocations trigger one every few thousand containers: on a 2-core CPU about a quarter of load()'s time went to
-collections that found almost nothing to free. Reference counting still frees everything not in a cycle at once,
+tokenizer's tables) after the imports already hold hundreds of thousands. Each of the collector's full passes scans
+all of them, and the allocations trigger one every few thousand containers, so a load spent much of its time in
+collections that found almost nothing to free (docs/cpu-speed.md, "Loading a pair"). Reference counting still frees everything not in a cycle at once,
 so only cyclic garbage waits for the collector, which runs again as usual after the block.
 """
 from __future__ import annotations

@@ -211,7 +211,7 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, cfg: DrafterConfig, attention_backend: str = "sdpa", loaded: bool = False):
         """loaded: built on the meta device for fill() (on_meta), where a random init would import torch's compiler
-        stack (~0.3 s): the Markov head's projection is left uninitialized and the rotary table is fill()'s to make."""
+        stack: the Markov head's projection is left uninitialized and the rotary table is fill()'s to make."""
         super().__init__()
         m = cfg.model
         self.cfg = cfg

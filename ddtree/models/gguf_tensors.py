@@ -1,7 +1,7 @@
 """The tensors of a GGUF file, found without decoding its metadata.
 
 gguf-py's GGUFReader builds a Python object for every metadata value, and a tokenizer's vocabulary and merges are
-~100K strings: ~2 s for SmolLM2's file, each time the integer or block modes load it. Here the metadata is only
+tens of thousands of strings, decoded each time the integer or block modes load the file. Here the metadata is only
 stepped over (each value's length read, the value skipped) to reach the tensor table, and each tensor's bytes are a
 view of one read-only map of the file.
 

@@ -33,9 +33,9 @@ class TargetModel(nn.Module):
     host_inputs = False  # its passes take device tensors
 
     def __init__(self, cfg: ModelConfig, attention_backend: str = "sdpa", loaded: bool = False):
-        """loaded: the weights are loaded right after (models/loading.py, on the meta device, where an op imports
-        torch's compiler stack, ~0.3-0.9 s): the embedding table is left uninitialized and the rotary table is the
-        loader's to make."""
+        """loaded: the weights are loaded right after (models/loading.py, on the meta device, where a random init or
+        an arithmetic op imports torch's compiler stack): the embedding table is left uninitialized and the rotary
+        table is the loader's to make."""
         super().__init__()
         self.cfg = cfg
         self.model = _Backbone(cfg, loaded)
