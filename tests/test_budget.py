@@ -339,6 +339,26 @@ def test_choose_budget_is_the_argmax_of_the_rate_curve():
         assert choose_budget(logp, cost, depths, c, length) == int(np.argmax(rate)) + 1
 
 
+def test_choose_budget_weighs_the_drafters_nodes_on_top_of_a_grafted_chain():
+    """With a chain that a grafted tree carries, a drafter's node costs the rows it adds beyond the chain's: on a
+    curve that steepens after 4 rows, the drafter keeps fewer nodes beside a 3-node chain than alone; where its
+    nodes are the chain's own (they share them), keeping them costs nothing extra. The argmax of the whole curve."""
+    cost = CostModel((1, 2, 3, 4, 5, 6, 8), (1.0, 1.05, 1.1, 1.15, 1.6, 2.0, 2.8), 0.2)
+    logp = np.log([0.7, 0.5, 0.4])
+    assert choose_budget(logp, cost) == 3
+    assert choose_budget(logp, cost, chain_added=[3, 3, 3, 3], chain_yield=0.5) == 1
+    assert choose_budget(logp, cost, chain_added=[3, 2, 1, 0], chain_yield=0.3) == 3  # its nodes hold the chain
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        logp = np.sort(np.log(rng.random(n) ** 2))[::-1].copy()
+        added = np.minimum.accumulate(rng.integers(0, 9, n + 1)).tolist()  # sharing only grows with the tree
+        y = float(rng.uniform(0.1, 1.0))
+        rate = [(1 + np.exp(logp[:b]).sum() + y * added[b]) / cost.step_seconds(np.array([b + 1 + added[b]]))[0]
+                for b in range(1, n + 1)]
+        assert choose_budget(logp, cost, chain_added=added, chain_yield=y) == int(np.argmax(rate)) + 1
+
+
 def test_tree_step_seconds_are_step_seconds_as_floats():
     """The per-step rule's lists (no numpy) hold step_seconds' values, inside the measured curve and past it."""
     cost = CostModel((1, 2, 4, 8), (0.010, 0.011, 0.013, 0.017), 0.002, (0.001, 0.0015), context=256,

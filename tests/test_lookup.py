@@ -4,13 +4,14 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import run
 from ddtree.bench.testing import random_pair
 from ddtree.engine.budget import CostModel
 from ddtree.engine.decoder import Decoder, make_method
 from ddtree.engine.lookup import ContextLookup
-from ddtree.engine.tree import ancestor_matrix, graft_chain
+from ddtree.engine.tree import ancestor_matrix, best_first_nodes, chain_added, graft_chain
 
 
 def brute_force_chain(tokens, match, length, longer=()):
@@ -81,6 +82,33 @@ def test_graft_shares_the_tree_and_appends_the_rest():
     for i in range(1, len(tokens)):
         assert (parents[i], tokens[i]) not in siblings, "two children of one node hold the same token"
         siblings[(parents[i], tokens[i])] = i
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_added_counts_what_graft_chain_appends_to_each_prefix(seed):
+    """For every prefix of a best-first pop order (each a tree) and chains that follow its paths for a while, then
+    leave them: chain_added[b] is what graft_chain appends to the first b nodes."""
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = torch.randn(5, 6, generator=gen).mul(2).log_softmax(dim=-1)  # a small vocabulary: shared prefixes
+    parents, depths, ids, _ = best_first_nodes(logprobs, 24)
+    tokens = [99] + list(ids)
+    rng = np.random.default_rng(seed)
+    for _ in range(30):
+        node, chain = 0, []
+        for _ in range(int(rng.integers(1, 7))):  # down the tree, then off it
+            children = [i for i in range(1, len(tokens)) if parents[i] == node]
+            if children and rng.random() < 0.8:
+                node = int(rng.choice(children))
+                chain.append(tokens[node])
+            else:
+                node = -1
+                chain.append(int(rng.integers(0, 6)))
+            if node < 0:
+                break
+        counts = chain_added(parents.tolist(), depths.tolist(), tokens, chain)
+        for b in range(len(tokens)):
+            tree = tokens[:b + 1], parents[:b + 1].tolist(), depths[:b + 1].tolist()
+            assert counts[b] == graft_chain(*tree, chain), (chain, b)
 
 
 def test_lookup_grafts_accepted_chains_and_stays_exact():

@@ -426,3 +426,18 @@ def test_a_cold_build_says_so_and_keeps_saying_so(tmp_path, monkeypatch, capsys)
     assert build().answer() == 42
     err = capsys.readouterr().err
     assert "the tiny test extension, compiled in " in err and "compiled the" not in err
+
+
+def test_a_build_is_named_by_its_folder_whether_built_or_loaded(tmp_path, monkeypatch):
+    """`ddtree_build` (the verify-cost curve's key) is the cache folder's name in the process that built the
+    kernel and in every later one; the building process's `__file__` names a staging folder, so a key read from it
+    stored the first process's curve where no later process looked."""
+    from ddtree.runtime.cpu import qlinear
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cpp"
+    source.write_text(TINY)
+    built = qlinear.compile_extension("ddtree_tiny", [source], ["-O0"], "the tiny test extension")
+    (folder,) = [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.is_dir()]
+    assert built.ddtree_build == folder.name and not folder.name.startswith(".")
+    assert qlinear._import_build(folder).ddtree_build == folder.name  # as a later process loads it

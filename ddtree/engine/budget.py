@@ -139,20 +139,25 @@ def _piecewise(nodes: np.ndarray, sizes, values) -> np.ndarray:
 
 
 def choose_budget(path_logprobs, cost: CostModel, depths=None, edge_scale: float = 1.0, length: int | None = None,
-                  context: int | None = None) -> int:
+                  context: int | None = None, chain_added: list[int] | None = None, chain_yield: float = 0.0) -> int:
     """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. path_logprobs
     [n] and depths [n] (numpy arrays or lists): with depths and edge_scale c, a node's acceptance probability is
     taken as p * c**depth (see EdgeCalibration). length: the draft's positions (its cost is in every step; None:
-    the whole block); context: the committed tokens (None: the calibration's). One pass in Python floats over the
-    nodes (a handful on a CPU: numpy's per-call cost would be most of the step's host time)."""
+    the whole block); context: the committed tokens (None: the calibration's). chain_added [n + 1]: a lookup chain
+    grafted after the b nodes appends chain_added[b] more (tree.chain_added), each worth chain_yield tokens, so the
+    drafter's nodes are weighed on top of the chain's rows, not on an empty tree's (on a CPU the cost curve steeps
+    with the rows). One pass in Python floats over the nodes (a handful on a CPU: numpy's per-call cost would be
+    most of the step's host time)."""
     n = len(path_logprobs)
     if n == 0:
         raise ValueError("no draft nodes to choose from")
-    seconds = cost.tree_step_seconds(n, length, context)  # [n + 1]: a tree of b nodes is b + 1 rows with the root
+    extra = chain_added or [0] * (n + 1)
+    # [n + extra[0] + 1]: a tree of b nodes is b + 1 rows with the root (b + extra[b] <= n + extra[0])
+    seconds = cost.tree_step_seconds(n + extra[0], length, context)
     expected, best, best_rate = 1.0, 1, -1.0
     for b, p in enumerate(node_probabilities(path_logprobs, depths, edge_scale), start=1):
         expected += p
-        rate = expected / seconds[b]
+        rate = (expected + chain_yield * extra[b]) / seconds[b + extra[b]]
         if rate > best_rate:
             best, best_rate = b, rate
     return best

@@ -29,7 +29,7 @@ from .stats import GenerationStats, StageTimer
 from .staged_ops import step_ops_for
 from .stops import Stops
 from .traces import step_record
-from .tree import DraftTree, chain_parents, graft_chain, walk_drawn
+from .tree import DraftTree, Popped, chain_added, chain_parents, graft_chain, walk_drawn
 
 AUTO_MAX_BUDGET = 256  # budget="auto": the largest tree the adaptive rule may pick
 LONE_ROOT = chain_parents(1)  # a plain step's parents and depths, built once (nothing writes into a tree's arrays)
@@ -166,10 +166,12 @@ class DDTree(Method):
         with timer("tree_build"):
             parents, depths, ids, scores = ops.tree_nodes(drafter, logits.float().log_softmax(dim=-1), bonus,
                                                           self.heap_size(room))
-            b = self.keep(scores, depths[1:], dcache.length)  # pop order: any prefix is a tree
-            ids = ids[:b]  # [b] in the draft vocabulary
-            tokens, parents, depths, grafted = ops.tree_tokens(drafter, bonus, ids), parents[:b + 1], depths[:b + 1], 0
-            if self.lookup is not None and (chain := self.lookup.chain()[:room - 1 - b]):
+            tokens = ops.tree_tokens(drafter, bonus, ids)  # [n + 1]: the root, then every popped node
+            chain = self.lookup.chain()[:room - 1] if self.lookup is not None else []
+            b = self.keep(scores, depths[1:], dcache.length, Popped(parents, depths, tokens, chain))
+            ids = ids[:b]  # [b] in the draft vocabulary; pop order: any prefix is a tree
+            tokens, parents, depths, grafted = tokens[:b + 1], parents[:b + 1], depths[:b + 1], 0
+            if chain := chain[:room - 1 - b]:
                 tokens, parents, depths, grafted = self._graft(tokens, parents, depths, chain)
             return DraftTree(tokens, parents, depths, draft_logits=logits, draft_ids=ids, grafted=grafted)
 
@@ -195,9 +197,9 @@ class DDTree(Method):
         """How many best-first nodes to pop this step (keep() verifies a prefix of them): the budget, in the room."""
         return min(self.budget, room - 1)
 
-    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray, context: int) -> int:
+    def keep(self, path_logprobs: np.ndarray, depths: np.ndarray, context: int, popped: Popped) -> int:
         """How many of the best-first nodes (path log-probs [n], depths [n], pop order) to verify after `context`
-        committed tokens: all of them."""
+        committed tokens, the step's whole heap and lookup chain in `popped`: all of them."""
         return len(path_logprobs)
 
 
@@ -222,6 +224,8 @@ class AdaptiveDDTree(DDTree):
     chain's earlier occurrence agrees), since a long agreement copies on far more reliably than a 3-token one. A
     floor, not a rate comparison on the cost curve: the yield lags a passage the output starts to copy by the steps
     its chains take to be judged, and a rate comparison declined exactly those first chains (docs/cpu-speed.md).
+    Where a chain will be grafted, the drafter's nodes are weighed on top of the rows it adds (choose_budget's
+    chain_added), not as if their tree were alone.
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
@@ -283,10 +287,13 @@ class AdaptiveDDTree(DDTree):
         largest = max((nodes for _, nodes in self._recent), default=self.budget)
         return min(self.budget, room - 1, max(self.HEAP_MIN, 2 * largest))
 
-    def keep(self, path_logprobs, depths, context):
+    def keep(self, path_logprobs, depths, context, popped):
         self._context = context  # the drafter's committed context: the target's, less a step's pending tokens
         logp, depths = path_logprobs.tolist(), depths.tolist()  # Python floats: the rules read a handful each
-        b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context)
+        added, gain = None, 0.0
+        if popped.chain and (gain := self.graft_yield[self.lookup.tier]) >= self.GRAFT_FLOOR:  # it will be grafted
+            added = chain_added(popped.parents.tolist(), popped.depths.tolist(), popped.tokens.tolist(), popped.chain)
+        b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context, added, gain)
         self._last = (logp[:b], depths[:b])
         return b
 

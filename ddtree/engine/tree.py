@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +28,15 @@ class DraftTree:
     @property
     def size(self) -> int:
         return len(self.parents)
+
+
+class Popped(NamedTuple):
+    """A step's best-first nodes before the budget cuts them (pop order, root first: any prefix is a tree) and the
+    lookup chain that will be grafted on what is kept ([] without one)."""
+    parents: np.ndarray  # [n + 1] int64
+    depths: np.ndarray  # [n + 1] int64
+    tokens: torch.Tensor  # [n + 1] long, target vocabulary
+    chain: list[int]
 
 
 def chain_parents(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +88,20 @@ def graft_chain(tokens: list[int], parents: list[int], depths: list[int], chain:
             child, added = len(tokens) - 1, added + 1
         node = child
     return added
+
+
+def chain_added(parents, depths, tokens, chain: list[int]) -> list[int]:
+    """For b = 0, 1, ..., n: how many nodes graft_chain(chain) would append to the tree of the root and the first b
+    nodes of a pop order (parents, depths, tokens [n + 1] as lists, root first; any prefix is a tree). The chain
+    shares the path of nodes that hold its tokens from the root down; each later chain token is a new node."""
+    on_chain = [True] + [False] * (len(parents) - 1)  # node i holds chain[:depth i]'s last token on its path
+    added, out = len(chain), [len(chain)]
+    for i in range(1, len(parents)):
+        d = depths[i]
+        if d <= len(chain) and on_chain[parents[i]] and tokens[i] == chain[d - 1]:
+            on_chain[i], added = True, added - 1
+        out.append(added)
+    return out
 
 
 def best_first_nodes(logprobs: torch.Tensor, budget: int) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:

@@ -152,7 +152,10 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
     - a damaged or incomplete one is never loaded (a damaged library can crash the process): it is built again,
       with a notice;
     - a build runs in a staging folder renamed into place, under a lock naming its process: a lock left by a
-      stopped process is removed, a live builder is waited for."""
+      stopped process is removed, a live builder is waited for.
+
+    The module's `ddtree_build` is that folder's name, whether this process built it or loaded it (its `__file__`
+    names the staging folder where this process built it: a key taken from it would differ in every later process)."""
     sources = [Path(s) for s in sources]
     key = hashlib.sha256(repr((name, flags, torch.__version__)).encode()
                          + b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
@@ -185,6 +188,7 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
             library = Path(module.__file__).name
             seal(tmp, files=[library], library=library, module=module.__name__, flags=list(flags),
                  torch=torch.__version__)
+    module.ddtree_build = folder.name
     return module
 
 
@@ -217,7 +221,9 @@ def _verify_build(folder: Path) -> list[str]:
 
 def _import_build(folder: Path):
     manifest = read_manifest(folder)
-    return import_library(folder / manifest["library"], manifest["module"])
+    module = import_library(folder / manifest["library"], manifest["module"])
+    module.ddtree_build = folder.name
+    return module
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:

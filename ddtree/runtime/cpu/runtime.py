@@ -227,7 +227,7 @@ class CPUTarget(TargetRuntime):
             out["quant"] = self.quant
         if self.stack is not None:
             # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
-            out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=Path(self.kernel.__file__).parent.name)
+            out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=self.kernel.ddtree_build)
         if self.blocks is not None:
             out["exact_blocks"] = True
         return out
