@@ -14,7 +14,6 @@ lossless tests): the stack sums every output in the row kernel's one order, what
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
