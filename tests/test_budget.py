@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import plant_oracle, run
-from ddtree.engine.budget import CostModel, DraftGate, EdgeCalibration, calibrate, choose_budget
+from ddtree.engine.budget import CostModel, DraftGate, EdgeCalibration, RowCostFeedback, calibrate, choose_budget
 from ddtree.engine.decoder import AUTO_MAX_BUDGET, Decoder, make_method
 from ddtree.engine.tree import best_first_nodes
 
@@ -357,6 +357,60 @@ def test_choose_budget_weighs_the_drafters_nodes_on_top_of_a_grafted_chain():
         rate = [(1 + np.exp(logp[:b]).sum() + y * added[b]) / cost.step_seconds(np.array([b + 1 + added[b]]))[0]
                 for b in range(1, n + 1)]
         assert choose_budget(logp, cost, chain_added=added, chain_yield=y) == int(np.argmax(rate)) + 1
+
+
+def test_row_cost_feedback_learns_what_rows_cost_against_the_curve():
+    """Steps whose rows cost twice the curve's price (plus a draft the curve misprices, plus noise) teach a scale of
+    ~2; steps at the curve's price, ~1; steps that all price their rows alike say nothing about the slope (it stays
+    at the prior's 1); the scale stays inside its limits."""
+    rng = np.random.default_rng(0)
+    for truth in (2.0, 1.0, 0.7):
+        feedback = RowCostFeedback()
+        for _ in range(400):
+            priced = float(rng.choice([0.3e-3, 0.6e-3, 1.2e-3, 2.0e-3]))
+            feedback.update(priced, 5e-3 + truth * priced + float(rng.normal(0, 0.3e-3)))
+        assert abs(feedback.scale - truth) < 0.15, (truth, feedback.scale)
+    flat = RowCostFeedback()
+    for _ in range(100):
+        flat.update(0.6e-3, 9e-3 + float(rng.normal(0, 1e-3)))
+    assert flat.scale == pytest.approx(1.0, abs=0.05)
+    steep = RowCostFeedback()
+    for priced in [0.1e-3, 1e-3] * 50:
+        steep.update(priced, 100 * priced)
+    assert steep.scale == steep.limits[1]
+
+
+def test_choose_budget_scales_the_rows_price():
+    """row_scale multiplies the price of the rows beyond the root: dearer rows, smaller trees (the argmax of the
+    scaled curve)."""
+    cost = CostModel((1, 2, 4, 8, 16), (1.0, 1.1, 1.3, 1.9, 3.2), 0.4)
+    logp = np.log([0.9, 0.8, 0.6, 0.5, 0.3, 0.2, 0.1])
+    sizes = [choose_budget(logp, cost, row_scale=s) for s in (0.5, 1.0, 2.0, 4.0)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    for s in (0.5, 2.0, 3.0):
+        base = cost.step_seconds(np.arange(1, len(logp) + 2))
+        scaled = base[0] + s * (base - base[0])
+        rate = (1 + np.cumsum(np.exp(logp))) / scaled[1:]
+        assert choose_budget(logp, cost, row_scale=s) == int(np.argmax(rate)) + 1
+
+
+def test_auto_times_each_drafted_step_against_the_curves_price_of_its_rows(pairs):
+    """ddtree:auto hands every drafted step's verify time and the curve's price of its rows beyond the root to its
+    RowCostFeedback (and the tokens stay plain decoding's)."""
+    target, drafter = pairs["llama"]
+    prompt = [5, 6, 7, 8] * 4
+    reference, _ = run(target, None, prompt, "ar", max_new_tokens=24)
+    method = make_method("ddtree:auto", None, None, drafter)
+    method.cost = CostModel((1, 64), (1e-3, 64e-3), 1e-6)  # 1 ms a row
+    method.gate.draft_now = lambda cost, context=None: True  # draft every step, however the random drafter fares
+    seen = []
+    method.row_costs.update = lambda priced, seconds: seen.append((priced, seconds))
+    trace = []
+    tokens, stats = Decoder(target, drafter).generate(prompt, method, max_new_tokens=24, trace=trace)
+    assert tokens == reference
+    assert len(seen) == len(trace) and all(seconds > 0 for _, seconds in seen)
+    assert sum(seconds for _, seconds in seen) == pytest.approx(stats.stage_seconds["verify"])  # every step's verify
+    assert [round(priced * 1e3) for priced, _ in seen] == [len(rec["parents"]) - 1 for rec in trace]
 
 
 def test_tree_step_seconds_are_step_seconds_as_floats():

@@ -139,21 +139,25 @@ def _piecewise(nodes: np.ndarray, sizes, values) -> np.ndarray:
 
 
 def choose_budget(path_logprobs, cost: CostModel, depths=None, edge_scale: float = 1.0, length: int | None = None,
-                  context: int | None = None, chain_added: list[int] | None = None, chain_yield: float = 0.0) -> int:
+                  context: int | None = None, chain_added: list[int] | None = None, chain_yield: float = 0.0,
+                  row_scale: float = 1.0) -> int:
     """The number of best-first nodes (>= 1) that maximizes expected accepted tokens per second. path_logprobs
     [n] and depths [n] (numpy arrays or lists): with depths and edge_scale c, a node's acceptance probability is
     taken as p * c**depth (see EdgeCalibration). length: the draft's positions (its cost is in every step; None:
     the whole block); context: the committed tokens (None: the calibration's). chain_added [n + 1]: a lookup chain
     grafted after the b nodes appends chain_added[b] more (tree.chain_added), each worth chain_yield tokens, so the
     drafter's nodes are weighed on top of the chain's rows, not on an empty tree's (on a CPU the cost curve steeps
-    with the rows). One pass in Python floats over the nodes (a handful on a CPU: numpy's per-call cost would be
-    most of the step's host time)."""
+    with the rows). row_scale: what the rows beyond the root cost against the curve's price (RowCostFeedback). One
+    pass in Python floats over the nodes (a handful on a CPU: numpy's per-call cost would be most of the step's
+    host time)."""
     n = len(path_logprobs)
     if n == 0:
         raise ValueError("no draft nodes to choose from")
     extra = chain_added or [0] * (n + 1)
     # [n + extra[0] + 1]: a tree of b nodes is b + 1 rows with the root (b + extra[b] <= n + extra[0])
     seconds = cost.tree_step_seconds(n + extra[0], length, context)
+    if row_scale != 1.0:
+        seconds = [seconds[0] + row_scale * (t - seconds[0]) for t in seconds]
     expected, best, best_rate = 1.0, 1, -1.0
     for b, p in enumerate(node_probabilities(path_logprobs, depths, edge_scale), start=1):
         expected += p
@@ -177,6 +181,40 @@ def node_probabilities(path_logprobs, depths=None, edge_scale: float = 1.0) -> l
 def _as_list(values) -> list:
     """A numpy array or a sequence as a list of Python numbers (what the per-step rules loop over)."""
     return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+@dataclass
+class RowCostFeedback:
+    """What a tree's rows cost on this run against the curve's price, learned from the drafted steps themselves.
+    The curve is taken in a second or two at start-up and cached per machine; on a shared VM it can price the rows
+    beyond the root at half what decoding then pays, and `auto` keeps nodes that do not pay for themselves.
+
+    Each drafted step gives the curve's price of its rows beyond the root, x = verify(rows) - verify(1), and the
+    step's verify seconds, y (its stage timer's: the whole step's wall time adds the draft's and the host's noise,
+    which hid the slope). A least-squares line y = a + s x over the recent steps (each weighed `decay` per step since)
+    gives s, the scale choose_budget puts on those prices (row_scale): the line's slope averaged with `prior`
+    steps' worth of the curve's own (s = 1), kept while the steps' prices vary too little to tell a slope (by less
+    than `min_spread` of their mean), and inside `limits`. The intercept takes what the curve misprices in every
+    verify alike."""
+    decay: float = 0.98
+    prior: float = 4.0
+    min_spread: float = 0.05
+    limits: tuple[float, float] = (0.5, 4.0)
+    scale: float = 1.0  # s
+    sums: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weighted count, x, y, x * x, x * y
+
+    def update(self, priced: float, seconds: float) -> None:
+        """priced: the curve's price of the step's rows beyond the root (x); seconds: the step's verify time (y)."""
+        d = self.decay
+        w, sx, sy, sxx, sxy = (d * v for v in self.sums)
+        w, sx, sy, sxx, sxy = w + 1, sx + priced, sy + seconds, sxx + priced * priced, sxy + priced * seconds
+        self.sums = (w, sx, sy, sxx, sxy)
+        mx, my = sx / w, sy / w
+        spread, covariance = sxx - w * mx * mx, sxy - w * mx * my  # w times the variance of x, the covariance
+        if spread <= w * (self.min_spread * mx) ** 2:
+            return
+        slope = (w * covariance / spread + self.prior) / (w + self.prior)
+        self.scale = min(max(slope, self.limits[0]), self.limits[1])
 
 
 @dataclass

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..models.attention import Visibility
-from .budget import CostModel, DraftGate, EdgeCalibration, choose_budget
+from .budget import CostModel, DraftGate, EdgeCalibration, RowCostFeedback, choose_budget
 from .lookup import ContextLookup
 from ..base.config import ConfigError, SamplingParams, check_int
 from .cost_cache import verify_costs
@@ -225,7 +225,8 @@ class AdaptiveDDTree(DDTree):
     floor, not a rate comparison on the cost curve: the yield lags a passage the output starts to copy by the steps
     its chains take to be judged, and a rate comparison declined exactly those first chains (docs/cpu-speed.md).
     Where a chain will be grafted, the drafter's nodes are weighed on top of the rows it adds (choose_budget's
-    chain_added), not as if their tree were alone.
+    chain_added), not as if their tree were alone. What rows cost on this run against the curve (RowCostFeedback)
+    is learned from the drafted steps' verify times, across prompts and sampling settings (a property of the machine).
 
     What it learns is kept per sampling setting (greedy, each temperature / top-p / top-k): acceptance at T = 1
     is well below T = 0's, so one shared trust and gate would carry a sampled prompt's pessimism into the next
@@ -245,6 +246,8 @@ class AdaptiveDDTree(DDTree):
         # chains not judged yet: (where the chain starts in the lookup's text, chain, added, tier, drafter's tokens)
         self._unjudged: list[tuple[int, list[int], int, int, int]] = []
         self._context: int | None = None  # committed tokens at the last drafted step (the cost curve's context)
+        self.row_costs = RowCostFeedback()
+        self._step: tuple | None = None  # (the step's stage timer, its verify seconds before the step, its tree's rows)
         # sampling -> (calibration, gate, recent trees, draft length, graft yield)
         self._regimes: dict[SamplingParams, tuple] = {}
         self._regime = SamplingParams()  # greedy until prepare() says otherwise
@@ -293,19 +296,22 @@ class AdaptiveDDTree(DDTree):
         added, gain = None, 0.0
         if popped.chain and (gain := self.graft_yield[self.lookup.tier]) >= self.GRAFT_FLOOR:  # it will be grafted
             added = chain_added(popped.parents.tolist(), popped.depths.tolist(), popped.tokens.tolist(), popped.chain)
-        b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context, added, gain)
+        b = choose_budget(logp, self.cost, depths, self.calibration.c, self.block_size, context, added, gain,
+                          self.row_costs.scale)
         self._last = (logp[:b], depths[:b])
         return b
 
     def propose(self, drafter, ops, dcache, bonus, room, timer):
         """As Method.propose; where the gate declines to draft, the lookup's chain alone, if it pays (no draft pass:
         the root and the chain's nodes)."""
+        verified = timer.seconds["verify"]
         tree = super().propose(drafter, ops, dcache, bonus, room, timer)
-        if tree.size > 1 or self.lookup is None or not (chain := self.lookup.chain()[:room - 1]):
-            return tree
-        with timer("tree_build"):
-            tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain)
-            return DraftTree(tokens, parents, depths, grafted=grafted)
+        if tree.size == 1 and self.lookup is not None and (chain := self.lookup.chain()[:room - 1]):
+            with timer("tree_build"):
+                tokens, parents, depths, grafted = self._graft(tree.tokens, tree.parents, tree.depths, chain)
+                tree = DraftTree(tokens, parents, depths, grafted=grafted)
+        self._step = (timer, verified, tree.size)
+        return tree
 
     def graft_pays(self, chain: list[int], added: int) -> bool:
         """The chain's added nodes are verified while its tier's chains still match the text (GRAFT_FLOOR)."""
@@ -324,6 +330,10 @@ class AdaptiveDDTree(DDTree):
             by_drafter = sum(1 for node in path[1:] if node <= b)
             self.calibration.update(logp, depths, by_drafter)
             self.gate.update(by_drafter + 1, self.cost.tree_step_seconds(b, self.block_size, self._context)[-1])
+            if self._step is not None:  # the step's verify time against the curve's price of its rows
+                timer, verified, rows = self._step
+                priced = self.cost.tree_step_seconds(rows - 1, self.block_size, self._context)
+                self.row_costs.update(priced[-1] - priced[0], timer.seconds["verify"] - verified)
             self._recent.append((int(max(depths)), len(logp)))
             self.block_size = min(self.max_length, max(d for d, _ in self._recent) + 2)  # the next draft's positions
         if self._chain is not None:  # the step's chain starts at its first committed token
@@ -331,7 +341,7 @@ class AdaptiveDDTree(DDTree):
             self._unjudged.append((len(self.lookup.tokens) - len(committed), chain, added, tier, by_drafter))
         if self._unjudged:
             self._judge_chains()
-        self._last = self._chain = None
+        self._last = self._chain = self._step = None
 
     def _judge_chains(self) -> None:
         """The graft yield of each chain whose span the text now covers: what it matched of the text, past the
