@@ -227,8 +227,8 @@ class CPUTarget(TargetRuntime):
         if self.stack is not None:
             # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
             out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=self.kernel.ddtree_build)
-        if self.blocks is not None:
-            out["exact_blocks"] = True
+        if self.blocks is not None:  # and the widest passes that read them
+            out["exact_blocks"] = [qlinear.layer_max_rows(self.kernel), qlinear.head_max_rows(self.kernel)]
         return out
 
     # --- the copies of the weights ----------------------------------------------------------------------

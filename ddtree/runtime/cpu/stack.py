@@ -80,7 +80,8 @@ def build(cfg, layers, blocks=None, kernel=None, int8: bool = False) -> object |
                _add(stack, gate_up, gate_up_t, None, pack), _add(stack, down, None, biases[3], pack)]
         for j, exact in enumerate(blocks[i] if blocks is not None else ()):
             if exact is not None:
-                stack.add_blocks(ids[j], _add(stack, exact, None, biases[j], pack), kernel.wide_pass_rows)
+                stack.add_blocks(ids[j], _add(stack, exact, None, biases[j], pack),
+                                 qlinear.layer_max_rows(kernel))
         norms = (attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if attn.q_norm is not None else (None, None)
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *norms,
                         *ids)
