@@ -87,12 +87,13 @@ R=${RUN_DIR:-runs/gpu-data}  # kept between calls on a held machine (ignored): a
 [ "$SMOKE" = 1 ] && rm -rf "$R"
 mkdir -p "$R"
 if [ "$SMOKE" = 1 ]; then
-    TGT=(); DEV=(--device cpu --threads 2); DEC=static-eager; SLOTS=8; MINUTES=${SMOKE_MINUTES:-0.3}; DEADLINE=120
+    TGT=(); DEV=(--device cpu --threads 2); DEC=static-eager; SLOTS=8; MINUTES=${SMOKE_MINUTES:-0.3}
     $PY -m ddtree train export-prompts --num-prompts 40 --mix writing=1,chat=1 --out $R/prompts.jsonl >/dev/null \
         || exit 1
     PROMPTS=$R/prompts.jsonl
     GEN=(--max-new-tokens 24 --chunk-size 6 --answers-per-prompt 2 --sampled-fraction 0.25 --follow-ups 0.35)
     $PY scripts/gpu_self_check.py cpu | tee "$OUT/gpu-check.txt" || exit 1  # the check itself, on the CPU
+    DEADLINE=$(( $(date +%s) - T0 + 120 ))  # 2 minutes of generation after the setup, however long a slow CPU took
 else
     TGT=(--target "$G"); DEV=(--device cuda --dtype bfloat16); DEC=static; SLOTS=${SLOTS:-1024}
     gpu_setup >>"$OUT/driver.txt" 2>&1 || { cat "$OUT/driver.txt"; exit 1; }  # not in a pipe: it exports
@@ -108,7 +109,8 @@ fi
 say "setup done; $(wc -l <$PROMPTS) prompts; decoder $DEC, $SLOTS rows, $MINUTES minutes"
 # --max-minutes starts no chunk after that long; the chunks under way finish (up to ~2 answers' steps), and the
 # hard timeout leaves room to pack what is written (chunks are written whole or not at all)
-timeout $(( DEADLINE - $(date +%s) + T0 )) $PY -m ddtree train generate-data "${TGT[@]}" "${DEV[@]}" --out "$R/$NAME" \
+LEFT=$(( DEADLINE - $(date +%s) + T0 ))  # seconds to the deadline; none left: generate nothing, pack what is there
+timeout $(( LEFT > 1 ? LEFT : 1 )) $PY -m ddtree train generate-data "${TGT[@]}" "${DEV[@]}" --out "$R/$NAME" \
     --prompts-file $PROMPTS --slots $SLOTS --decoder $DEC --max-minutes "$MINUTES" --no-progress "${GEN[@]}" \
     2>&1 | tee "$OUT/generate.txt" | tail -n 3
 say "generated: $(ls $R/$NAME/chunk_*.npz 2>/dev/null | wc -l) chunks"
