@@ -429,20 +429,20 @@ class QLinear(nn.Module):
 # dequantizing pass is compute-bound past a few rows (it dequantizes in registers for every pass, and past one
 # pass's rows it stores dequantized tiles and sweeps them), so wider passes keep the float weights. Where the
 # crossings lie on real CPUs is in docs/cpu-speed.md.
-# The AVX2 build's one dequantizing pass takes 5 rows (its WIDE_PASS_ROWS), but its store-and-sweep passes beyond
-# that still read a sixth of float32's bytes: on a 2-core AVX2 VM they stay ahead of the float weights up to here.
-AVX2_LAYER_MAX_ROWS = 12
-AVX2_HEAD_MAX_ROWS = 9  # a Q8_0 head (8.5 bits a weight) stays ahead of the float head up to here
+# Both builds: the AVX2 build's one dequantizing pass takes 5 rows (its WIDE_PASS_ROWS), but its store-and-sweep
+# passes beyond that still read a sixth of float32's bytes, and on a 2-core AVX2 VM they stay ahead of the float
+# weights up to here; the Q8_0 head (8.5 bits a weight) as far.
+BLOCK_MAX_ROWS = 12
 
 
 def layer_max_rows(built=None) -> int:
-    """Passes of up to this many rows read the layers' blocks: at least as many as one pass of the kernel's build
-    takes. built: a compiled extension (kernel(choice)); None: the default build, where there is one."""
+    """Passes of up to this many rows read the layers' blocks: BLOCK_MAX_ROWS, or one pass of the kernel's build
+    where that takes more. built: a compiled extension (kernel(choice)); None: the default build, where there is one."""
     if built is None and cpu_kernel_available():
         built = kernel()
-    return max(built.wide_pass_rows, AVX2_LAYER_MAX_ROWS) if built is not None else AVX2_LAYER_MAX_ROWS
+    return max(built.wide_pass_rows, BLOCK_MAX_ROWS) if built is not None else BLOCK_MAX_ROWS
 
 
 def head_max_rows(built=None) -> int:
-    """Passes of up to this many rows read the LM head's blocks."""
-    return max(AVX2_HEAD_MAX_ROWS, layer_max_rows(built))
+    """Passes of up to this many rows read the LM head's blocks: as many as the layers'."""
+    return layer_max_rows(built)
