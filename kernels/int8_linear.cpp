@@ -18,8 +18,9 @@
 // ([N / 16, K / 32, record bytes]; outputs past N are zero weights, computed and never stored):
 //   Q4_1 (320 bytes): nibbles [chunk c = 0..3][output o = 0..15][byte k = 0..3], the low nibble of byte k being
 //                     weight 4c + k and the high one weight 16 + 4c + k; then d fp16 [16], m fp16 [16].
-//   Q8_0 (640 bytes): q int8 [chunk j = 0..7][output o][byte k] = weight 4j + k; then d float32 [16], and
-//                     128 * sum q int32 [16] (the VNNI path's offset, below).
+//   Q8_0 (544 bytes): q int8 [chunk j = 0..7][output o][byte k] = weight 4j + k; then d fp16 [16] (a GGUF's own
+//                     scales: pack_q8_0 takes only fp16 values, which float32 holds exactly). The bytes of the file's
+//                     blocks and nothing more: a head streams them every pass.
 // So one vector load of a chunk holds dword j of a block for 16 (or 8) outputs side by side: the lanes are OUTPUTS,
 // and an x row meets them as a broadcast of its dword j. A block's integer dot for L outputs is then 8 dot-product
 // instructions and no horizontal sum, for every row; the weights are unpacked once per block for up to ROWS rows
@@ -27,7 +28,8 @@
 // the L1 cache).
 // Integer products: AVX-512 VNNI / AVX-VNNI dpbusd (u8 x s8, 4 products summed into int32), or AVX2 / AVX-512BW
 // maddubs (u8 x s8 -> int16 pairs) + madd (-> int32). Q4_1 nibbles are the unsigned operand. Q8_0 weights are
-// signed: with VNNI, qx + 128 (u8) meets q and 128 * sum q is taken off (exact integers); with maddubs (whose int16
+// signed: with VNNI, qx + 128 (u8) meets q and 128 * sum q (from dpbusd of ones and q, once per record and pass) is
+// taken off (exact integers); with maddubs (whose int16
 // pairs would saturate at 255 * 128 * 2), |q| meets qx carrying q's sign (|q| <= 128, |qx| <= 127: below 2^15).
 // Vectors: 16 lanes (zmm) in builds with AVX-512F/BW, else 8 (ymm; a group is two halves).
 #include <ATen/Parallel.h>
@@ -48,7 +50,7 @@ namespace {
 constexpr int64_t QK = 32;                       // values per block
 constexpr int64_t GROUP = 16;                    // outputs per record
 constexpr int64_t Q4_1_RECORD = 4 * 64 + 2 * 32;  // nibbles, d, m
-constexpr int64_t Q8_0_RECORD = 8 * 64 + 2 * 64;  // q, d, 128 * sum q
+constexpr int64_t Q8_0_RECORD = 8 * 64 + 2 * 16;  // q, d (fp16)
 constexpr int64_t PREFETCH_BYTES = 2048;  // how far ahead in the weight stream a block is prefetched
 // How a pass prefetches its weights: not at all (rows after the first of a record), into the caches (`keep`), or
 // non-temporally (`stream`: a weight that cannot stay cached between passes, e.g. a target many times the last-level
@@ -88,6 +90,7 @@ inline VI and_(VI a, VI b) { return _mm512_and_si512(a, b); }
 inline VI srl16(VI a, int n) { return _mm512_srli_epi16(a, n); }
 inline VI sll16(VI a, int n) { return _mm512_slli_epi16(a, n); }
 inline VI sra16(VI a, int n) { return _mm512_srai_epi16(a, n); }
+inline VI sll32(VI a, int n) { return _mm512_slli_epi32(a, n); }
 inline VI add16(VI a, VI b) { return _mm512_add_epi16(a, b); }
 inline VI add32(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI sub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
@@ -120,6 +123,7 @@ inline VI and_(VI a, VI b) { return _mm256_and_si256(a, b); }
 inline VI srl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
 inline VI sll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
 inline VI sra16(VI a, int n) { return _mm256_srai_epi16(a, n); }
+inline VI sll32(VI a, int n) { return _mm256_slli_epi32(a, n); }
 inline VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
 inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
@@ -266,18 +270,22 @@ struct Q8_0 {
     VF d;
   };
   static inline void prepare(const uint8_t* rec, int h, W& w) {
+#if DDTREE_VNNI
+    VI sum = zeroi();
+#endif
     for (int j = 0; j < 8; ++j) {
       const VI v = loadi(rec + 64 * j + 4 * L * h);
 #if DDTREE_VNNI
       w.q[j] = v;
+      sum = dpbusd(sum, set8(1), v);  // sum q per output (|sum| <= 32 * 128)
 #else
       w.s[j] = v;
       w.q[j] = abs8(v);  // -128 -> 0x80, read as unsigned 128
 #endif
     }
-    w.d = loadf(rec + 512 + 4 * L * h);
+    w.d = half(rec + 512 + 2 * L * h);
 #if DDTREE_VNNI
-    w.offset = loadi(rec + 576 + 4 * L * h);
+    w.offset = sll32(sum, 7);
 #endif
   }
   static inline VI isum(const W& w, const int32_t* x) {
@@ -431,7 +439,7 @@ torch::Tensor pack_q4_1(torch::Tensor spans) {
   return out;
 }
 
-// Q8_0 qs int8 [N, K] and d float32 [N, K / 32] -> records [N / 16, K / 32, 640]
+// Q8_0 qs int8 [N, K] and d float32 [N, K / 32], fp16 values -> records [N / 16, K / 32, 544]
 torch::Tensor pack_q8_0(torch::Tensor qs, torch::Tensor d) {
   TORCH_CHECK(qs.dim() == 2 && qs.scalar_type() == torch::kInt8 && qs.is_contiguous() && qs.device().is_cpu() &&
                   qs.size(1) % QK == 0 && qs.size(1) > 0,
@@ -450,15 +458,13 @@ torch::Tensor pack_q8_0(torch::Tensor qs, torch::Tensor d) {
     for (int64_t b = 0; b < KB; ++b) {
       const int8_t* src = q + n * K + QK * b;
       uint8_t* rec = op + ((n / GROUP) * KB + b) * Q8_0_RECORD;
-      int32_t sum = 0;
       for (int j = 0; j < 8; ++j)
-        for (int k = 0; k < 4; ++k) {
-          rec[64 * j + 4 * o + k] = static_cast<uint8_t>(src[4 * j + k]);
-          sum += src[4 * j + k];
-        }
-      const int32_t offset = 128 * sum;
-      std::memcpy(rec + 512 + 4 * o, dp + n * KB + b, 4);
-      std::memcpy(rec + 576 + 4 * o, &offset, 4);
+        for (int k = 0; k < 4; ++k) rec[64 * j + 4 * o + k] = static_cast<uint8_t>(src[4 * j + k]);
+      const float scale = dp[n * KB + b];
+      const c10::Half d16(scale);
+      TORCH_CHECK(static_cast<float>(d16) == scale, "Q8_0 scales must be fp16 values (a GGUF's blocks store them so), "
+                  "got d = ", scale, " for output ", n, ", block ", b);
+      std::memcpy(rec + 512 + 2 * o, &d16.x, 2);
     }
   }
   return out;
@@ -493,7 +499,8 @@ void bind(pybind11::module& mod, const std::string& prefix) {
           "q4_1_linear's",
           pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("stream") = false);
   mod.def((prefix + "pack_q4_1").c_str(), &pack_q4_1, "Q4_1 spans [N, K / 64 * 10] -> records [N / 16, K / 32, 320]");
-  mod.def((prefix + "pack_q8_0").c_str(), &pack_q8_0, "Q8_0 qs [N, K], d [N, K / 32] -> records [N / 16, K / 32, 640]");
+  mod.def((prefix + "pack_q8_0").c_str(), &pack_q8_0,
+          "Q8_0 qs [N, K], d [N, K / 32] (fp16 values) -> records [N / 16, K / 32, 544]");
   mod.def((prefix + "quantize_rows").c_str(), &quantize_rows,
           "x [M, K] -> (qx int8 [M, K], dx [M, K / 32], sx [M, K / 32])");
   mod.attr((prefix + "vnni").c_str()) = bool(DDTREE_VNNI);

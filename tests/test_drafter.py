@@ -10,7 +10,6 @@ from ddtree.base.config import ConfigError
 from ddtree.runtime.cpu.runtime import attach
 from ddtree.models.drafter import DFlashDrafter, default_tap_layers
 from ddtree.models.protocol import reference
-from ddtree.models.layers import apply_rope
 from ddtree.bench.testing import random_pair, random_target
 
 PUBLISHED_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {

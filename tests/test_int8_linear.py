@@ -101,7 +101,7 @@ def test_q8_0_extreme_values():
 
 def test_records_layout():
     """The repacked records: 16 outputs per record, chunk c holds weights 4c..4c+3 (low nibbles) and 16+4c.. (high)
-    of each output side by side; outputs past N are zero; Q8_0 records carry d and 128 * sum q."""
+    of each output side by side; outputs past N are zero; Q8_0 records carry q and d (fp16): a GGUF block's bytes."""
     gen = torch.Generator().manual_seed(2)
     w = QWeight.quantize(torch.randn(20, 64, generator=gen), "Q4_1")
     rec = w.int8_records()
@@ -120,10 +120,10 @@ def test_records_layout():
     assert torch.equal(scales[0, :, 0].T, d[:16]) and torch.equal(scales[1, :, 1, :4].T, m[16:])
     w8 = QWeight.quantize(torch.randn(3, 32, generator=gen), "Q8_0")
     rec8 = w8.int8_records()
-    assert rec8.shape == (1, 1, 640)
+    assert rec8.shape == (1, 1, 544)
     assert torch.equal(rec8[0, 0, :512].view(torch.int8).view(8, 16, 4)[:, :3].permute(1, 0, 2).reshape(3, 32), w8.qs)
-    assert torch.equal(rec8[0, 0, 512:576].contiguous().view(torch.float32)[:3], w8.d[:, 0])
-    assert rec8[0, 0, 576:].contiguous().view(torch.int32)[:3].tolist() == (128 * w8.qs.long().sum(1)).tolist()
+    assert torch.equal(rec8[0, 0, 512:].contiguous().view(torch.float16).float()[:3], w8.d[:, 0])
+    assert not rec8[0, 0, 512:].contiguous().view(torch.float16)[3:].any()  # outputs 3..15
 
 
 # --- (c) row invariance -----------------------------------------------------------------------------------------
@@ -232,6 +232,8 @@ def test_clear_errors(weights):
         int8.kernel().pack_q4_1(w.qs[:, :9].contiguous())
     with pytest.raises(RuntimeError, match="Q8_0 scales"):
         int8.kernel().pack_q8_0(torch.zeros(4, 576, dtype=torch.int8), torch.ones(4, 9, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="fp16 values"):  # a scale no GGUF block can hold
+        int8.kernel().pack_q8_0(torch.zeros(4, 576, dtype=torch.int8), torch.full((4, 18), 0.1))
     with pytest.raises(RuntimeError, match="float32"):
         int8.kernel().q4_1_linear(x.t(), records, 67)
     with pytest.raises(RuntimeError, match="pack_q8_0"):  # Q4_1 records handed to the Q8_0 product

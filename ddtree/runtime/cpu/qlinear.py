@@ -328,7 +328,8 @@ class QWeight:
 
     def int8_records(self) -> torch.Tensor:
         """The blocks repacked for the int8-activation kernel (kernels/int8_linear.cpp: per 16 outputs and block of
-        32, one record; uint8 [ceil(N / 16), K / 32, 320 (Q4_1) or 640 (Q8_0)]), made once and kept."""
+        32, one record; uint8 [ceil(N / 16), K / 32, 320 (Q4_1) or 544 (Q8_0)]: the blocks' own bytes), made once
+        and kept."""
         if self._records is None:
             self._records = (kernel().int8_pack_q4_1(self.qs.contiguous()) if self.kind == "Q4_1"
                              else kernel().int8_pack_q8_0(self.qs.contiguous(), self.d.contiguous()))
