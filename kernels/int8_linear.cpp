@@ -28,9 +28,9 @@
 // the L1 cache).
 // Integer products: AVX-512 VNNI / AVX-VNNI dpbusd (u8 x s8, 4 products summed into int32), or AVX2 / AVX-512BW
 // maddubs (u8 x s8 -> int16 pairs) + madd (-> int32). Q4_1 nibbles are the unsigned operand. Q8_0 weights are
-// signed: with VNNI, qx + 128 (u8) meets q and 128 * sum q (from dpbusd of ones and q, once per record and pass) is
-// taken off (exact integers); with maddubs (whose int16
-// pairs would saturate at 255 * 128 * 2), |q| meets qx carrying q's sign (|q| <= 128, |qx| <= 127: below 2^15).
+// signed: with VNNI, qx + 128 (u8) meets q and 128 * sum q is taken off (exact integers; sum q by dpbusd of ones
+// and q where the record is unpacked, once for up to ROWS rows); with maddubs (whose int16 pairs would saturate at
+// 255 * 128 * 2), |q| meets qx carrying q's sign (|q| <= 128, |qx| <= 127: below 2^15).
 // Vectors: 16 lanes (zmm) in builds with AVX-512F/BW, else 8 (ymm; a group is two halves).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
