@@ -428,6 +428,46 @@ def test_a_cold_build_says_so_and_keeps_saying_so(tmp_path, monkeypatch, capsys)
     assert "the tiny test extension, compiled in " in err and "compiled the" not in err
 
 
+def test_the_build_key_covers_the_headers_beside_the_sources(tmp_path):
+    """A header a source can include (`#include "x.h"` beside it) changes the build's key, as the source, the
+    flags and the name do; a file of another kind beside them does not. Before, only the sources counted, and a
+    header changed by an upgrade loaded the build of its old text."""
+    from ddtree.runtime.cpu.qlinear import build_key
+
+    source, header = tmp_path / "tiny.cpp", tmp_path / "answer.h"
+    source.write_text('#include "answer.h"\n')
+    header.write_text("#define ANSWER 42\n")
+    key = build_key("tiny", [source], ["-O0"])
+    assert len(key) == 12 and build_key("tiny", [source], ["-O0"]) == key
+    (tmp_path / "notes.md").write_text("not compiled")
+    assert build_key("tiny", [source], ["-O0"]) == key
+    header.write_text("#define ANSWER 43\n")
+    changed = build_key("tiny", [source], ["-O0"])
+    assert changed != key
+    assert len({changed, build_key("tiny", [source], ["-O1"]), build_key("other", [source], ["-O0"])}) == 3
+    source.write_text('#include "answer.h"\n// edited\n')
+    assert build_key("tiny", [source], ["-O0"]) != changed
+
+
+def test_a_changed_header_beside_the_sources_is_a_new_build(tmp_path, monkeypatch):
+    """The build's key covers the headers a source can include (`#include "x.h"` beside it), not only the sources:
+    a header changed by an upgrade must not load the build of its old text."""
+    from ddtree.runtime.cpu import qlinear
+
+    monkeypatch.setenv("DDTREE_CACHE", str(tmp_path / "cache"))
+    source, header = tmp_path / "tiny.cpp", tmp_path / "answer.h"
+    source.write_text('#include "answer.h"\n' + TINY.replace("PyLong_FromLong(42)", "PyLong_FromLong(ANSWER)"))
+    header.write_text("#define ANSWER 42\n")
+    build = lambda: qlinear.compile_extension("ddtree_tiny", [source], ["-O0"], "the tiny test extension")  # noqa: E731
+    first = build()
+    assert first.answer() == 42 and build().ddtree_build == first.ddtree_build  # unchanged: loaded, not rebuilt
+    header.write_text("#define ANSWER 43\n")
+    second = build()
+    assert second.ddtree_build != first.ddtree_build
+    assert len([p for p in (tmp_path / "cache" / "kernels").iterdir() if p.is_dir()]) == 2
+    assert qlinear._import_build(tmp_path / "cache" / "kernels" / second.ddtree_build).answer() == 43
+
+
 def test_a_build_is_named_by_its_folder_whether_built_or_loaded(tmp_path, monkeypatch):
     """`ddtree_build` (the verify-cost curve's key) is the cache folder's name in the process that built the
     kernel and in every later one; the building process's `__file__` names a staging folder, so a key read from it

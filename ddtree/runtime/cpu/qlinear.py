@@ -143,9 +143,21 @@ def build_kernel(isa: str = "avx2"):
                              fix="quant='gguf' needs it; float targets run on torch's matmuls without it")
 
 
+def build_key(name: str, sources, flags) -> str:
+    """12 hex digits of a hash of what a build depends on: its name, flags and torch, its sources, and the headers
+    beside them (a source's `#include "x.h"` can name any of them: a changed header is a new build, not a stale
+    one)."""
+    sources = [Path(s) for s in sources]
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    return hashlib.sha256(repr((name, list(flags), torch.__version__)).encode()
+                          + b"".join(s.read_bytes() for s in sources)
+                          + b"".join(h.name.encode() + b"\0" + h.read_bytes() for h in headers)).hexdigest()[:12]
+
+
 def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
     """The Python extension `name` compiled from `sources` with `flags` by torch's C++ extension loader, kept in
-    $DDTREE_CACHE/kernels/<name>-<key of the sources, flags and torch> and sealed there (ddtree/base/cache.py):
+    $DDTREE_CACHE/kernels/<name>-<key of the sources, the headers beside them, flags and torch> and sealed
+    there (ddtree/base/cache.py):
 
     - a complete build is verified (the library's checksum) and imported as it is, without a lock, a compiler or
       a write (so a read-only cache that holds one serves it);
@@ -157,9 +169,7 @@ def compile_extension(name: str, sources, flags, what: str, fix: str = ""):
     The module's `ddtree_build` is that folder's name, whether this process built it or loaded it (its `__file__`
     names the staging folder where this process built it: a key taken from it would differ in every later process)."""
     sources = [Path(s) for s in sources]
-    key = hashlib.sha256(repr((name, flags, torch.__version__)).encode()
-                         + b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
-    folder = cache_root() / "kernels" / f"{name}-{key}"
+    folder = cache_root() / "kernels" / f"{name}-{build_key(name, sources, flags)}"
     if folder.exists():
         problems = _verify_build(folder)
         if not problems:
