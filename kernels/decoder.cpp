@@ -70,9 +70,32 @@ inline void rope(float* x, const float* cos, const float* sin, int64_t d) {
   for (int64_t j = 0; j < d; ++j) x[j] = t[j];
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
+// Eight K/V cache values as float32 lanes: the cache holds float32, or fp16 (the integer mode's, as llama.cpp's:
+// half the bytes to read each pass), which widens exactly, so the attention's arithmetic is the same on either.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// One row of d values (d % 8 == 0) into the cache: copied, or rounded to the nearest fp16 (ties to even; torch's
+// .half()).
+inline void put_row(const float* x, float* out, int64_t d) { std::copy(x, x + d, out); }
+inline void put_row(const float* x, c10::Half* out, int64_t d) {
+  for (int64_t j = 0; j < d; j += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <class T>
+inline float dot(const float* a, const T* b, int64_t d) {
   __m256 s = _mm256_setzero_ps();
-  for (int64_t j = 0; j < d; j += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s);
+  for (int64_t j = 0; j < d; j += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), load8(b + j), s);
   return hsum(s);
 }
 
@@ -195,7 +218,8 @@ class Stack {
     TORCH_CHECK(h.dim() == 2 && h.size(1) == H && h.scalar_type() == torch::kFloat32 && h.device().is_cpu(),
                 "h must be float32 CPU [N, hidden]");
     check_rope(cos, sin, N);
-    check_cache(k_cache, v_cache, past, N);
+    check_cache(k_cache, v_cache, past, N, /*half_ok=*/true);
+    const bool half = k_cache.scalar_type() == torch::kHalf;
     const int64_t layer_stride = k_cache.stride(0), head_stride = k_cache.stride(1);
     const bool* anc = nullptr;
     torch::Tensor anc_t;
@@ -228,17 +252,12 @@ class Stack {
       torch::Tensor qkv = ly.qkv(x);
       TORCH_CHECK(qkv.size(1) == QKV && qkv.is_contiguous(), "qkv projection has the wrong width");
       float* q = qkv.data_ptr<float>();
-      float* kc = k_cache.data_ptr<float>() + l * layer_stride;
-      float* vc = v_cache.data_ptr<float>() + l * layer_stride;
-      each_row(N, [&](int64_t i) {
-        float* row = q + i * QKV;
-        if (ly.q_norm.defined())
-          for (int64_t a = 0; a < HQ; ++a) rmsnorm(row + a * D, ly.q_norm.data_ptr<float>(), eps, D, row + a * D);
-        for (int64_t a = 0; a < HQ; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, D);
-        key_value(ly, row + HQ * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, kc, vc, head_stride,
-                  past + i);
-      });
-      attend(q, QKV, kc, vc, head_stride, past, N, anc, attn.data_ptr<float>());
+      if (half)
+        attention(ly, q, QKV, N, cos, sin, k_cache.data_ptr<c10::Half>() + l * layer_stride,
+                  v_cache.data_ptr<c10::Half>() + l * layer_stride, head_stride, past, anc, attn.data_ptr<float>());
+      else
+        attention(ly, q, QKV, N, cos, sin, k_cache.data_ptr<float>() + l * layer_stride,
+                  v_cache.data_ptr<float>() + l * layer_stride, head_stride, past, anc, attn.data_ptr<float>());
       const torch::Tensor o = ly.o(attn);
       each_row(N, [&](int64_t i) {
         add_(hp + i * H, o.data_ptr<float>() + i * H, H);
@@ -392,27 +411,50 @@ class Stack {
 
   // Any layer and head strides (the batched generator passes one row of its cache as a view); each head's rows
   // must be contiguous [capacity, head_dim], and K and V laid out alike.
-  void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t past, int64_t n) const {
+  // A target's passes take a float32 or an fp16 cache (half_ok), a drafter's context a float32 one.
+  void check_cache(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t past, int64_t n,
+                   bool half_ok = false) const {
+    const bool dtype_ok = k_cache.scalar_type() == torch::kFloat32 || (half_ok && k_cache.scalar_type() == torch::kHalf);
     for (const auto* c : {&k_cache, &v_cache})
       TORCH_CHECK(c->dim() == 4 && c->size(0) == int64_t(layers.size()) && c->size(1) == HKV && c->size(3) == D &&
                       c->stride(3) == 1 && c->stride(2) == D && c->strides() == k_cache.strides() &&
-                      c->sizes() == k_cache.sizes() && c->scalar_type() == torch::kFloat32 && c->device().is_cpu(),
-                  "the KV cache must be float32 CPU [layers, kv_heads, capacity, head_dim], rows contiguous");
+                      c->sizes() == k_cache.sizes() && dtype_ok && c->scalar_type() == k_cache.scalar_type() &&
+                      c->device().is_cpu(),
+                  "the KV cache must be ", half_ok ? "float32 or float16" : "float32",
+                  " CPU [layers, kv_heads, capacity, head_dim], K and V alike, rows contiguous");
     TORCH_CHECK(past >= 0 && past + n <= k_cache.size(2), "KV cache overflow: ", past + n, " rows > capacity ",
                 k_cache.size(2));
   }
 
   // One row's keys and values kv = [k heads | v heads] (HKV * D each): k_norm (Qwen3) and RoPE on the keys, in
   // place, then both written at cache row `pos` of every KV head.
-  void key_value(const Layer& ly, float* kv, const float* cos, const float* sin, float* kc, float* vc,
+  template <class T>
+  void key_value(const Layer& ly, float* kv, const float* cos, const float* sin, T* kc, T* vc,
                  int64_t head_stride, int64_t pos) const {
     for (int64_t a = 0; a < HKV; ++a) {
       float* k = kv + a * D;
       if (ly.k_norm.defined()) rmsnorm(k, ly.k_norm.data_ptr<float>(), eps, D, k);
       rope(k, cos, sin, D);
-      std::copy(k, k + D, kc + a * head_stride + pos * D);
-      std::copy(kv + (HKV + a) * D, kv + (HKV + a + 1) * D, vc + a * head_stride + pos * D);
+      put_row(k, kc + a * head_stride + pos * D, D);
+      put_row(kv + (HKV + a) * D, vc + a * head_stride + pos * D, D);
     }
+  }
+
+  // A layer's attention over its cache (T: float or c10::Half): per row, q_norm (Qwen3) and RoPE on the query
+  // heads of q [N, QKV] in place and its keys and values into the cache at row past + i; then attend().
+  template <class T>
+  void attention(const Layer& ly, float* q, int64_t QKV, int64_t N, const torch::Tensor& cos,
+                 const torch::Tensor& sin, T* kc, T* vc, int64_t head_stride, int64_t past, const bool* anc,
+                 float* out) const {
+    each_row(N, [&](int64_t i) {
+      float* row = q + i * QKV;
+      if (ly.q_norm.defined())
+        for (int64_t a = 0; a < HQ; ++a) rmsnorm(row + a * D, ly.q_norm.data_ptr<float>(), eps, D, row + a * D);
+      for (int64_t a = 0; a < HQ; ++a) rope(row + a * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, D);
+      key_value(ly, row + HQ * D, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, kc, vc, head_stride,
+                past + i);
+    });
+    attend(q, QKV, kc, vc, head_stride, past, N, anc, out);
   }
 
   // Rows from this many up share their elementwise work between the threads; fewer run on the calling thread,
@@ -461,7 +503,8 @@ class Stack {
   static constexpr int64_t PREFETCH_BLOCKS = 2, PREFETCH_QUERIES = 8;
 
   // Prefetch rows [b, b + KEY_BLOCK) of one head's K or V (capped at `keys`), a cache line at a time.
-  void prefetch_rows(const float* X, int64_t b, int64_t keys) const {
+  template <class T>
+  void prefetch_rows(const T* X, int64_t b, int64_t keys) const {
     const int64_t e = std::min(keys, b + KEY_BLOCK);
     if (b >= e) return;
     const char* p = reinterpret_cast<const char*>(X + b * D);
@@ -469,7 +512,8 @@ class Stack {
     for (; p < end; p += 64) _mm_prefetch(p, _MM_HINT_T0);
   }
 
-  void attend(const float* qkv, int64_t QKV, const float* kc, const float* vc, int64_t head_stride, int64_t past,
+  template <class T>
+  void attend(const float* qkv, int64_t QKV, const T* kc, const T* vc, int64_t head_stride, int64_t past,
               int64_t N, const bool* anc, float* out) const {
     const int64_t group = HQ / HKV, keys = past + N, per_kv = group * N;
     // Split each KV head's queries so that every thread gets work (one row: 9 heads over 2 threads as 5 + 4).
@@ -483,8 +527,8 @@ class Stack {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t g = p / (tasks / HKV), t0 = (p % (tasks / HKV)) * chunk;
         const int64_t count = std::min(chunk, per_kv - t0);  // queries t0 .. t0 + count of this KV head
-        const float* K = kc + g * head_stride;
-        const float* V = vc + g * head_stride;
+        const T* K = kc + g * head_stride;
+        const T* V = vc + g * head_stride;
         auto query = [&](int64_t t) {  // t = row * group + head in group
           return qkv + (t0 + t) / group * QKV + (g * group + (t0 + t) % group) * D;
         };
@@ -525,16 +569,17 @@ class Stack {
 
   // s[j] = q . K[j] / sqrt(D) for keys j in [b, e): eight keys at a time (eight independent FMA chains), each
   // summed by hsum8 in hsum()'s order, so the values are dot()'s bit for bit.
-  void score_block(const float* q, const float* K, int64_t b, int64_t e, float* s) const {
+  template <class T>
+  void score_block(const float* q, const T* K, int64_t b, int64_t e, float* s) const {
     const float scale = 1.f / std::sqrt(float(D));
     int64_t j = b;
     for (; j + 8 <= e; j += 8) {
       __m256 acc[8];
       for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-      const float* k0 = K + j * D;
+      const T* k0 = K + j * D;
       for (int64_t c = 0; c < D; c += 8) {
         const __m256 qv = _mm256_loadu_ps(q + c);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + t * D + c), acc[t]);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, load8(k0 + t * D + c), acc[t]);
       }
       _mm256_storeu_ps(s + j, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
     }
@@ -545,7 +590,8 @@ class Stack {
   // score_block for two queries at once (the AVX-512 build): a 16-lane vector holds both queries' 8 lanes, so
   // each key chunk is loaded once for both. Every lane runs the same chain of FMAs as score_block's and each half
   // is summed by hsum8: the scores equal score_block's bit for bit.
-  void score_block2(const float* qa, const float* qb, const float* K, int64_t b, int64_t e, float* sa,
+  template <class T>
+  void score_block2(const float* qa, const float* qb, const T* K, int64_t b, int64_t e, float* sa,
                     float* sb) const {
     const float scale = 1.f / std::sqrt(float(D));
     alignas(64) float pair[2 * 512];  // [qa[c:c+8] | qb[c:c+8]] per chunk c (D <= 512, checked at construction)
@@ -557,11 +603,11 @@ class Stack {
     for (; j + 8 <= e; j += 8) {
       __m512 acc[8];
       for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
-      const float* k0 = K + j * D;
+      const T* k0 = K + j * D;
       for (int64_t c = 0; c < D; c += 8) {
         const __m512 qv = _mm512_load_ps(pair + 2 * c);
         for (int t = 0; t < 8; ++t)
-          acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(k0 + t * D + c)), acc[t]);
+          acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(load8(k0 + t * D + c)), acc[t]);
       }
       __m256 lo[8], hi[8];
       for (int t = 0; t < 8; ++t) {
@@ -579,7 +625,8 @@ class Stack {
 
   // weigh_values for two queries at once (the AVX-512 build): 16 columns a vector, each value row loaded once
   // for both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
-  void weigh_values2(const float* wa, const float* wb, const float* V, int64_t b, int64_t e, int64_t past,
+  template <class T>
+  void weigh_values2(const float* wa, const float* wb, const T* V, int64_t b, int64_t e, int64_t past,
                      float* oa, float* ob) const {
     int64_t c0 = 0;
     for (; c0 + 64 <= D; c0 += 64) weigh_columns2<4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
@@ -596,22 +643,22 @@ class Stack {
     }
   }
 
-  template <int C>
-  static void weigh_columns2(const float* wa, const float* wb, const float* V, int64_t D, int64_t b, int64_t e,
+  template <int C, class T>
+  static void weigh_columns2(const float* wa, const float* wb, const T* V, int64_t D, int64_t b, int64_t e,
                              int64_t past, float* oa, float* ob) {
     __m512 A[C], B[C];
     for (int c = 0; c < C; ++c) {
       A[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(oa + 16 * c);
       B[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ob + 16 * c);
     }
-    auto add = [&](__m512 (&acc)[C], float w, const float* v) {  // acc += w v, 16 columns a vector
+    auto add = [&](__m512 (&acc)[C], float w, const T* v) {  // acc += w v, 16 columns a vector
       const __m512 wv = _mm512_set1_ps(w);
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + 16 * c), acc[c]);
+      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wv, load16(v + 16 * c), acc[c]);
     };
-    auto add_both = [&](float x, float y, const float* v) {  // each value vector loaded once for both queries
+    auto add_both = [&](float x, float y, const T* v) {  // each value vector loaded once for both queries
       const __m512 xv = _mm512_set1_ps(x), yv = _mm512_set1_ps(y);
       for (int c = 0; c < C; ++c) {
-        const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+        const __m512 vv = load16(v + 16 * c);
         A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
         B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
       }
@@ -686,7 +733,8 @@ class Stack {
 
   // o[:D] += sum over keys j in [b, e) of w[j] V[j] (o zeroed at b == 0), 64 columns at a time: each column
   // sums its keys in order; masked keys (w == 0: only new rows, as a past key weighs at least exp(-87)) are skipped.
-  void weigh_values(const float* w, const float* V, int64_t b, int64_t e, int64_t past, float* o) const {
+  template <class T>
+  void weigh_values(const float* w, const T* V, int64_t b, int64_t e, int64_t past, float* o) const {
     int64_t c0 = 0;
     for (; c0 + 64 <= D; c0 += 64) weigh_columns<8>(w, V + c0, D, b, e, past, o + c0);
     switch ((D - c0) / 8) {  // D % 8 == 0
@@ -704,15 +752,15 @@ class Stack {
   // C accumulators of 8 columns fed key by key. C is a compile-time constant so that they stay in registers:
   // with a run-time count the compiler kept them on the stack, and every FMA waited on a store and a reload
   // (~10 ns per head, row and key for SmolLM2).
-  template <int C>
-  static void weigh_columns(const float* w, const float* V, int64_t D, int64_t b, int64_t e, int64_t past,
+  template <int C, class T>
+  static void weigh_columns(const float* w, const T* V, int64_t D, int64_t b, int64_t e, int64_t past,
                             float* o) {
     __m256 acc[C];
     for (int c = 0; c < C; ++c) acc[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * c);
     auto add = [&](int64_t j) {  // acc += w[j] V[j]
       const __m256 wv = _mm256_set1_ps(w[j]);
-      const float* v = V + j * D;
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      const T* v = V + j * D;
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), acc[c]);
     };
     int64_t j = b;
     for (const int64_t end = std::min(e, past); j < end; ++j) add(j);  // past keys: never masked, no weight is 0

@@ -226,6 +226,44 @@ def test_quantized_stack_matches_eager_and_its_one_row_steps(tmp_path):
     assert_tree_rows_equal_their_paths(int8, prefilled(int8), threads=2)
 
 
+def test_the_integer_mode_keeps_k_v_in_fp16_rounded_as_torch_rounds(tmp_path):
+    """quant='gguf-int8' keeps K/V in fp16 (llama.cpp's default; a pass reads half the bytes). The stack rounds each
+    row as torch's .half() does: layer 0's rows, written before any attention reads the cache, equal a float32
+    cache's rounded. Its passes match the eager layers over the same fp16 cache, tree rows still equal their paths
+    as 1-row steps, and a cache whose K and V differ in dtype is refused with a message."""
+    from test_quant_target import quantized
+
+    from ddtree.models.kv_cache import KVCache
+
+    target = quantized("qwen3", tmp_path, int8=True)
+    assert target.stack is not None and target.describe()["kv_cache"] == "float16"
+    c, n = target.cfg, 9
+    half, full = target.new_cache(64), KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, torch.float32, "cpu")
+    assert half.k.dtype == half.v.dtype == torch.float16
+    ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
+    for cache in (half, full):
+        target(ids, torch.arange(n), cache, Visibility.causal(0, n, "cpu"))
+    assert torch.equal(half.k[0, :, :n], full.k[0, :, :n].half())
+    assert torch.equal(half.v[0, :, :n], full.v[0, :, :n].half())
+    assert not torch.equal(half.k[0, :, :n].float(), full.k[0, :, :n])  # rounded indeed
+
+    cache = prefilled(target)
+    past = cache.length
+    tokens = torch.randint(0, c.vocab_size, (6,), generator=torch.Generator().manual_seed(8))
+    fast, ref, (k1, k2), (v1, v2) = both_paths(target, cache, tokens, Visibility.causal(past, 6, "cpu"))
+    torch.testing.assert_close(fast.logits, ref.logits, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(k1.float(), k2.float(), rtol=2e-3, atol=2e-3)  # an fp16 step apart at most
+    torch.testing.assert_close(v1.float(), v2.float(), rtol=2e-3, atol=2e-3)
+    assert_tree_rows_equal_their_paths(target, prefilled(target), threads=2)
+    assert_steps_equal_chain(target, prefilled(target), tokens, threads=2)
+
+    h, cos = torch.zeros(2, c.hidden_size), torch.zeros(2, c.head_dim)
+    with pytest.raises(RuntimeError, match="float32 or float16 .* K and V alike"):
+        target.stack.forward(h, cos, cos, half.k, full.v, 0, None, [])
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        target.stack.forward(h, cos, cos, half.k.double(), half.v.double(), 0, None, [])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_drafter_stack_matches_eager_and_follows_weight_changes(arch):
     """The drafter's block pass through the stack equals its eager layers; the stack holds copies of the

@@ -25,12 +25,16 @@ class KVCache:
         return self.capacity - self.length
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the pass's new rows (k, v [kv_heads, N, head_dim]); return the visible [0, length + N) views."""
+        """Store the pass's new rows (k, v [kv_heads, N, head_dim]); return the visible [0, length + N) views. A
+        cache of another dtype than the pass's (fp16 under float32: the integer mode's) rounds the rows as it stores
+        them and returns them widened back to the pass's dtype (copies): what the C++ stack's attention reads."""
         end = self.length + k.shape[1]
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow: {end} rows > capacity {self.capacity}")
         self.k[layer, :, self.length:end] = k
         self.v[layer, :, self.length:end] = v
+        if self.k.dtype != k.dtype:
+            return self.k[layer, :, :end].to(k.dtype), self.v[layer, :, :end].to(v.dtype)
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
     def commit(self, n: int, rows: torch.Tensor | None = None) -> None:

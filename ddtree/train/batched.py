@@ -87,8 +87,9 @@ class BatchedDecoder:
         self.group_size, self.resort_every = max(1, group_size), max(1, resort_every)
         self.stop_ids = set(int(t) for t in stop_ids)
         shape = (c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim)
-        self.k = torch.zeros(shape, dtype=target.dtype, device=target.device)
-        self.v = torch.zeros(shape, dtype=target.dtype, device=target.device)
+        kv_dtype = target.new_cache(1).k.dtype  # the target's own (fp16 in the CPU integer mode)
+        self.k = torch.zeros(shape, dtype=kv_dtype, device=target.device)
+        self.v = torch.zeros(shape, dtype=kv_dtype, device=target.device)
         self.lengths = [0] * slots  # committed rows per slot = position of the slot's next token
         self.rows: list[_Row | None] = [None] * slots
         self.next_token = [0] * slots
@@ -161,8 +162,9 @@ class BatchedDecoder:
             self.v[i, slot_idx, head_idx, pos[:, None]] = v.transpose(0, 1)
             # GQA: the `group` query heads of a KV head attend as `group` queries of that head.
             qf = q.transpose(0, 1).reshape(self.slots, cfg.num_kv_heads, group, cfg.head_dim)
-            o = torch.cat([F.scaled_dot_product_attention(qf[a:b], self.k[i, a:b, :, :span], self.v[i, a:b, :, :span],
-                                                          attn_mask=visible) for a, b, span, visible in groups])
+            o = torch.cat([F.scaled_dot_product_attention(qf[a:b], self.k[i, a:b, :, :span].to(qf.dtype),
+                                                          self.v[i, a:b, :, :span].to(qf.dtype), attn_mask=visible)
+                           for a, b, span, visible in groups])  # .to: an fp16 cache is read widened (a no-op else)
             return o.reshape(self.slots, cfg.num_heads, cfg.head_dim).transpose(0, 1)
 
         for i, layer in enumerate(model.model.layers):  # rows play the role of tokens: [S, H]

@@ -36,6 +36,8 @@ ROW_LOGITS_MIN_ROWS = 12
 # this many rows, all at once cost less than the ~2 one-row passes of a walk reading lazily (measured in
 # docs/cpu-speed.md), keyed by the kernel's VNNI
 INT8_HEAD_ALL_ROWS = {True: 16, False: 6}
+# The integer mode's K/V cache dtype (llama.cpp's default): the attention widens it exactly to float32.
+KV_DTYPE_INT8 = torch.float16
 # The LM head's 1-row transpose costs its memory again: kept for float32 models up to this many parameters.
 TRANSPOSED_MAX_PARAMS = 2_000_000_000
 
@@ -143,7 +145,12 @@ class CPUTarget(TargetRuntime):
 
     # --- protocol.Target (its shape and identity: TargetRuntime) ----------------------------------------
     def new_cache(self, capacity: int) -> KVCache:
-        return self.model.new_cache(capacity)
+        """The reference's cache, but in fp16 in the integer mode (quant='gguf-int8'), as llama.cpp keeps K/V: a pass
+        reads half the bytes, rounded once as they are written (the stack's attention and the eager one alike)."""
+        if not self.int8:
+            return self.model.new_cache(capacity)
+        c = self.model.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, KV_DTYPE_INT8, self.model.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
@@ -224,6 +231,8 @@ class CPUTarget(TargetRuntime):
         out = {}
         if self.quant:
             out["quant"] = self.quant
+        if self.int8:
+            out["kv_cache"] = str(KV_DTYPE_INT8).removeprefix("torch.")
         if self.stack is not None:
             # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
             out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=self.kernel.ddtree_build)
