@@ -5,6 +5,7 @@
 //
 // Per layer, for N new rows h [N, H] at cache rows [past, past + N):
 //   x = rmsnorm(h) ; qkv = x W_qkv (+ b) ; per-head q/k rmsnorm (Qwen3) ; RoPE on q and k ; k, v -> cache
+//   (a float32 cache, or an fp16 one that rounds them as torch's .half() and is read widened: the integer mode's)
 //   attn = softmax(q k^T / sqrt(D), visible keys) v   keys: the whole past, and new row j where ancestors[i, j]
 //   h += attn W_o (+ b) ; x = rmsnorm(h) ; g, u = x W_gate_up ; h += (silu(g) * u) W_down
 // Every elementwise step rounds as the eager ops do (built with -ffp-contract=off: no fused multiply-adds where
