@@ -239,7 +239,7 @@ def test_the_integer_mode_keeps_k_v_in_fp16_rounded_as_torch_rounds(tmp_path):
     assert target.stack is not None and target.describe()["kv_cache"] == "float16"
     c, n = target.cfg, 9
     half, full = target.new_cache(64), KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, torch.float32, "cpu")
-    assert half.k.dtype == half.v.dtype == torch.float16
+    assert half.k.dtype == half.v.dtype == target.kv_dtype == torch.float16
     ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(5))
     for cache in (half, full):
         target(ids, torch.arange(n), cache, Visibility.causal(0, n, "cpu"))

@@ -131,6 +131,10 @@ class HFTarget(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.hf.get_input_embeddings().weight.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.dtype
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The raw embedding rows [N, H] (no model-specific scaling: what a DFlash drafter is fed)."""
         return F.embedding(tokens, self.embed_table())

@@ -64,6 +64,10 @@ class Target(Protocol):
     @property
     def dtype(self) -> torch.dtype: ...
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element type of new_cache()'s K/V: its dtype, or fp16 in the CPU integer mode (widened when read)."""
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, vis, tap_layers: tuple[int, ...] = (),
                  last_only: bool = False, row_logits: bool = False) -> TargetOutput:
         """One pass over tokens [N] at positions [N], writing their K/V to the cache without committing them."""

@@ -88,6 +88,10 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.dtype
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
@@ -98,9 +102,10 @@ class TargetModel(nn.Module):
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
         return self.lm_head(hidden)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache of kv_dtype, or of `dtype` (a runtime's: CPUTarget.kv_dtype)."""
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, dtype or self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,

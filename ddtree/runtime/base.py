@@ -57,6 +57,10 @@ class TargetRuntime(Runtime):
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.model.kv_dtype
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed(tokens)
 

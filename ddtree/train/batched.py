@@ -87,9 +87,8 @@ class BatchedDecoder:
         self.group_size, self.resort_every = max(1, group_size), max(1, resort_every)
         self.stop_ids = set(int(t) for t in stop_ids)
         shape = (c.num_layers, slots, c.num_kv_heads, capacity, c.head_dim)
-        kv_dtype = target.new_cache(1).k.dtype  # the target's own (fp16 in the CPU integer mode)
-        self.k = torch.zeros(shape, dtype=kv_dtype, device=target.device)
-        self.v = torch.zeros(shape, dtype=kv_dtype, device=target.device)
+        self.k = torch.zeros(shape, dtype=target.kv_dtype, device=target.device)  # fp16 in the CPU integer mode
+        self.v = torch.zeros(shape, dtype=target.kv_dtype, device=target.device)
         self.lengths = [0] * slots  # committed rows per slot = position of the slot's next token
         self.rows: list[_Row | None] = [None] * slots
         self.next_token = [0] * slots

@@ -144,13 +144,14 @@ class CPUTarget(TargetRuntime):
         return f"CPUTarget({self.describe()}, {self.model!r})"
 
     # --- protocol.Target (its shape and identity: TargetRuntime) ----------------------------------------
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """fp16 in the integer mode (quant='gguf-int8'), as llama.cpp keeps K/V: a pass reads half the bytes, rounded
+        once as they are written (the stack's attention and the eager one alike); else the reference's."""
+        return KV_DTYPE_INT8 if self.int8 else self.model.kv_dtype
+
     def new_cache(self, capacity: int) -> KVCache:
-        """The reference's cache, but in fp16 in the integer mode (quant='gguf-int8'), as llama.cpp keeps K/V: a pass
-        reads half the bytes, rounded once as they are written (the stack's attention and the eager one alike)."""
-        if not self.int8:
-            return self.model.new_cache(capacity)
-        c = self.model.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, KV_DTYPE_INT8, self.model.device)
+        return self.model.new_cache(capacity, self.kv_dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [N, H] -> logits [N, V]; the drafter shares this LM head."""
@@ -232,7 +233,7 @@ class CPUTarget(TargetRuntime):
         if self.quant:
             out["quant"] = self.quant
         if self.int8:
-            out["kv_cache"] = str(KV_DTYPE_INT8).removeprefix("torch.")
+            out["kv_cache"] = str(self.kv_dtype).removeprefix("torch.")
         if self.stack is not None:
             # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
             out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=self.kernel.ddtree_build)

@@ -182,7 +182,7 @@ class GPUTarget(_Captured, TargetRuntime):
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
         return self._pooled(capacity, lambda rows: KVCache(c.num_layers, c.num_kv_heads, c.head_dim, rows,
-                                                           self.dtype, self.device))
+                                                           self.kv_dtype, self.device))
 
     @torch.inference_mode()  # its buffers are inference tensors: written in inference mode only
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, vis: Visibility,
