@@ -24,6 +24,7 @@ from .base.options import QUANTS, LoadOptions, Quant, load_threads  # noqa: F401
 from .models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                       resolve_target_dir, source_gguf, stop_token_ids)
 from .engine.method_spec import MethodSpec
+from .engine.ngram_table import FILE as NGRAM_FILE, NgramTable
 from .engine.stats import GenerationStats
 from .engine.stops import Stops, check_stop, check_stop_token_ids
 
@@ -77,7 +78,7 @@ class Pair:
     """A target model with its tokenizer and (optionally) a DFlash drafter bound to it."""
 
     def __init__(self, target, drafter, tokenizer, stop_ids=(), name: str = "", source_gguf: Path | None = None,
-                 options: LoadOptions | None = None):
+                 options: LoadOptions | None = None, ngram_table: NgramTable | None = None):
         # on a float32 CPU both run inside the CPU runtime (ddtree/runtime/cpu/runtime.py), built once here or at load; on
         # CUDA (Triton attention) inside the CUDA-graph runtime (ddtree/runtime/gpu/runtime.py) unless
         # options.cuda_graphs is False. A pair made by hand takes the defaults; load() resolves its options.
@@ -87,6 +88,7 @@ class Pair:
         self.source_gguf = source_gguf  # the GGUF file the target was loaded from, if any (the llamacpp method)
         self.stop_ids = tuple(stop_ids)
         self.name = name
+        self.ngram_table = ngram_table  # the target's own 3-gram continuations, for ddtree:N+lookup (or None)
         self.decoder = Decoder(target, drafter)
         self._methods: dict[tuple, Method] = {}
 
@@ -156,7 +158,7 @@ class Pair:
         spec = MethodSpec.parse(method, budget, self.device)
         key = (spec, block_size)
         if key not in self._methods:
-            self._methods[key] = make_method(spec, None, block_size, self.drafter)
+            self._methods[key] = make_method(spec, None, block_size, self.drafter, self.ngram_table)
         return self._methods[key]
 
     def generate(self, prompt, method: str | MethodSpec = "ddtree", budget: int | str | None = None,
@@ -252,7 +254,7 @@ def check_quant(quant, target, device, dtype, kernel: str = "auto") -> Path | No
 def load(target=None, draft=None, device=None, dtype=None, attention_backend: str | None = "auto",
          backend: str = "auto", quant: str | Quant | None = None, cpu_kernel: str | None = "auto",
          gguf_blocks: bool | None = None, markov_head: bool | None = None, threads: int | None = None,
-         cuda_graphs: bool | None = None) -> Pair:
+         cuda_graphs: bool | None = None, ngram_table: bool | None = None) -> Pair:
     """Load a target (None = the embedded SmolLM2-135M-Instruct) and a DFlash drafter (None = the drafter
     shipped for the default target; for other targets, or before one is shipped, an UNTRAINED random drafter,
     with a warning). device: "cpu"/"cuda" (default: cuda if available). dtype: float32/bfloat16 (default: bf16 on
@@ -274,21 +276,24 @@ def load(target=None, draft=None, device=None, dtype=None, attention_backend: st
     threads: torch's CPU threads, set here once (default: the cores other processes leave free, never more than
     the process has; a notice on stderr when other processes keep cores busy).
     cuda_graphs: False runs a CUDA target eagerly, without the CUDA-graph runtime (default True).
+    ngram_table: where the drafter's folder holds a table of the target's own 3-gram continuations (ngrams.npz,
+    ddtree/engine/ngram_table.py), the context lookup of ddtree:N+lookup falls back on it (default True; False: the
+    context alone, as before). Only the trees change: the output is the target's either way.
     Every knob: the argument where given (None, or "auto" for a choice, is not given), else its DDTREE_*
     variable (DDTREE_CPU_KERNEL, DDTREE_CPU_ISA, DDTREE_GGUF_BLOCKS, DDTREE_MARKOV_HEAD, DDTREE_THREADS,
-    DDTREE_CUDA_GRAPHS, DDTREE_ATTENTION), else the default; read once, here (ddtree/base/options.py). The pair
+    DDTREE_CUDA_GRAPHS, DDTREE_ATTENTION, DDTREE_NGRAM_TABLE), else the default; read once, here (ddtree/base/options.py). The pair
     keeps them as `pair.options`."""
     with gc_paused():  # the load builds many long-lived objects, which each full collection would scan again
         return _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks,
-                     markov_head, threads, cuda_graphs)
+                     markov_head, threads, cuda_graphs, ngram_table)
 
 
 def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_kernel, gguf_blocks, markov_head,
-          threads, cuda_graphs) -> Pair:
+          threads, cuda_graphs, ngram_table) -> Pair:
     """load()'s body, with its arguments as given."""
     meter = LoadMeter()  # how busy other processes keep the cores, measured while the target loads (load_threads)
     options = LoadOptions.resolve(cpu_kernel, gguf_blocks, markov_head, cuda_graphs, attention_backend, quant,
-                                  threads)  # bad values are refused here, before the slow load
+                                  threads, ngram_table)  # bad values are refused here, before the slow load
     kernel = resolve_cpu_kernel(options.kernel)
     given = (target, draft)  # hub ids (ddtree/base/hub.py) become their local snapshot folders; paths stay as they are
     target, draft = resolve_hub(target, "target"), resolve_hub(draft, "draft")
@@ -304,12 +309,15 @@ def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_k
     tgt = cpu_target(model, options.kernel, quant_gguf=gguf, source_gguf=source, conversion=directory,
                      gguf_blocks=options.gguf_blocks, int8=options.int8)
     tokenizer = load_tokenizer(directory)
+    drafter_dir = None
     if draft is not None:
         drafter = DFlashDrafter.load(draft, dtype, device, tgt.attention_backend, target=tgt)
         drafter.label = str(given[1])
+        drafter_dir = Path(draft)
     elif target is None and (SHIPPED_DRAFTER / "model.safetensors").is_file():
         drafter = DFlashDrafter.load(SHIPPED_DRAFTER, dtype, device, tgt.attention_backend, target=tgt)
         drafter.label = "shipped"
+        drafter_dir = SHIPPED_DRAFTER
     else:
         warn_untrained()
         drafter = untrained_drafter(tgt)
@@ -324,4 +332,11 @@ def _load(target, draft, device, dtype, attention_backend, backend, quant, cpu_k
             drafter.set_markov_head(None)
     name = ("SmolLM2-135M-Instruct" if target is None else given[0] if target is not given[0]  # a hub id: itself
             else Path(directory).name)
-    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source, options)
+    table = None
+    if options.ngram_table and drafter_dir is not None and (drafter_dir / NGRAM_FILE).is_file():
+        table = NgramTable.load(drafter_dir / NGRAM_FILE)
+        if table.vocab_size != tgt.cfg.vocab_size:
+            raise ConfigError(f"{drafter_dir / NGRAM_FILE} was built for a vocabulary of {table.vocab_size} tokens, "
+                              f"the target has {tgt.cfg.vocab_size}: rebuild it from this target's answers (`python "
+                              "-m ddtree train ngram-table`), or load with ngram_table=False (--no-ngram-table)")
+    return Pair(tgt, drafter, tokenizer, stop_token_ids(directory, tgt.cfg, tokenizer), name, source, options, table)

@@ -89,6 +89,8 @@ def unpack(src: Path, dst: Path, reference: Path | None, target_dir: str | None)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(state, str(dst / "model.safetensors"))
     shutil.copy(src / "config.json", dst / "config.json")
+    if reference is not None and (reference / "ngrams.npz").is_file():  # the target's n-gram table, not trained here
+        shutil.copy(reference / "ngrams.npz", dst / "ngrams.npz")
     return name
 
 

@@ -136,7 +136,7 @@ def test_auto_grafts_a_chain_while_its_tier_matches_and_learns_their_yield():
     method = make_method("ddtree:auto+lookup", None, None, drafter)
     method.cost = CostModel((1, 2, 8), (1.0, 1.1, 1.7), 0.5)
     method._last, method._context = ([math.log(0.6)], [1]), None
-    assert method.lookup.tier == 0 and method.graft_yield == [0.5] * 3
+    assert method.lookup.tier == 0 and method.graft_yield == [0.5] * 4  # 3 tiers of the context, the table
     assert method.graft_pays([5, 6], 2) and method._chain == ([5, 6], 2, 0)
     method.graft_yield[0] = method.GRAFT_FLOOR  # at the floor: still grafted
     assert method.graft_pays([5, 6], 2)

@@ -15,7 +15,7 @@ from ddtree.base.config import ConfigError
 from ddtree.base.options import LoadOptions, Quant, add_model_args, load_options_from, load_threads
 
 KNOBS = ("DDTREE_CPU_KERNEL", "DDTREE_CPU_ISA", "DDTREE_GGUF_BLOCKS", "DDTREE_MARKOV_HEAD", "DDTREE_CUDA_GRAPHS",
-         "DDTREE_ATTENTION", "DDTREE_THREADS")
+         "DDTREE_ATTENTION", "DDTREE_THREADS", "DDTREE_NGRAM_TABLE")
 
 
 @pytest.fixture(autouse=True)
@@ -177,16 +177,17 @@ def test_flags_not_given_leave_the_knobs_to_the_environment(monkeypatch):
     add_model_args(parser)
     kw = load_options_from(parser.parse_args([]))
     assert kw == dict(target=None, draft=None, device=None, dtype=None, attention_backend="auto", backend="auto",
-                      quant=None, cpu_kernel="auto", gguf_blocks=None, markov_head=None, threads=None)
+                      quant=None, cpu_kernel="auto", gguf_blocks=None, markov_head=None, threads=None,
+                      ngram_table=None)
     monkeypatch.setenv("DDTREE_GGUF_BLOCKS", "0")
     monkeypatch.setenv("DDTREE_MARKOV_HEAD", "1")
     resolved = LoadOptions.resolve(kw["cpu_kernel"], kw["gguf_blocks"], kw["markov_head"], None,
                                    kw["attention_backend"], kw["quant"], kw["threads"])
     assert not resolved.gguf_blocks and resolved.markov_head
     kw = load_options_from(parser.parse_args(["--no-gguf-blocks", "--markov-head", "--threads", "1", "--quant",
-                                              "gguf", "--cpu-kernel", "off", "--backend", "own"]))
-    assert (kw["gguf_blocks"], kw["markov_head"], kw["threads"], kw["quant"], kw["cpu_kernel"], kw["backend"]) == \
-        (False, True, 1, "gguf", "off", "own")
+                                              "gguf", "--cpu-kernel", "off", "--backend", "own", "--no-ngram-table"]))
+    assert (kw["gguf_blocks"], kw["markov_head"], kw["threads"], kw["quant"], kw["cpu_kernel"], kw["backend"],
+            kw["ngram_table"]) == (False, True, 1, "gguf", "off", "own", False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--threads", "0"])
 

@@ -14,6 +14,7 @@ from ddtree.models.attention import Visibility
 from ddtree.base.config import SamplingParams
 from ddtree.engine.decoder import Decoder, make_method
 from ddtree.engine.lookup import ContextLookup
+from ddtree.engine.ngram_table import NgramTable
 from ddtree.engine.sampling import processed_probs
 from ddtree.bench.testing import random_pair
 from ddtree.engine.tree import walk
@@ -209,15 +210,9 @@ def test_a_tiny_temperature_samples_the_top_token(temperature):
                              seed=1).token_ids == greedy
 
 
-@pytest.mark.slow
-def test_sampling_with_grafted_lookup_chains_matches_target_distribution(pair):
-    """ddtree:N+lookup at T = 1: chains copied from the context change the tree, never the distribution. A 1-token
-    match on a 6-token vocabulary grafts a chain nearly every step, and some of them are accepted."""
-    target, drafter = pair
-    params = SamplingParams(1.0)
-    dist = exact_distribution(target, params)
-    method = make_method("ddtree:2+lookup", None, None, drafter)
-    method.lookup = ContextLookup(match=1, length=3)
+def sample_with_grafts(target, drafter, method, params) -> tuple[dict, int, int]:
+    """SAMPLES generations of PROMPT: the count of each output, the nodes grafted in all, and the steps that
+    accepted a grafted node."""
     decoder, counts, grafted, accepted_grafts = Decoder(target, drafter), {}, 0, 0
     for s in range(SAMPLES):
         records = []
@@ -226,9 +221,37 @@ def test_sampling_with_grafted_lookup_chains_matches_target_distribution(pair):
         for rec in records:
             grafted += rec["grafted"]
             accepted_grafts += any(node >= len(rec["parents"]) - rec["grafted"] for node in rec["accepted"])
+    return counts, grafted, accepted_grafts
+
+
+@pytest.mark.slow
+def test_sampling_with_grafted_lookup_chains_matches_target_distribution(pair):
+    """ddtree:N+lookup at T = 1: chains copied from the context change the tree, never the distribution. A 1-token
+    match on a 6-token vocabulary grafts a chain nearly every step, and some of them are accepted."""
+    target, drafter = pair
+    params = SamplingParams(1.0)
+    method = make_method("ddtree:2+lookup", None, None, drafter)
+    method.lookup = ContextLookup(match=1, length=3)
+    counts, grafted, accepted_grafts = sample_with_grafts(target, drafter, method, params)
     assert grafted > SAMPLES and accepted_grafts > SAMPLES // 10, (grafted, accepted_grafts)
-    rejected, stat, critical = chi_square_rejects(counts, dist, SAMPLES)
+    rejected, stat, critical = chi_square_rejects(counts, exact_distribution(target, params), SAMPLES)
     assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: ddtree+lookup is not lossless"
+
+
+@pytest.mark.slow
+def test_sampling_with_grafted_table_chains_matches_target_distribution(pair):
+    """ddtree:N+lookup at T = 1 with an n-gram table (ngram_table.py) whose every 3-gram of the 6-token vocabulary has
+    a continuation: where the context has no match, the table's chains change the tree, never the distribution."""
+    target, drafter = pair
+    params = SamplingParams(1.0)
+    grams = list(itertools.product(range(target.cfg.vocab_size), repeat=3))
+    table = NgramTable(grams, [(a + b + c) % target.cfg.vocab_size for a, b, c in grams], target.cfg.vocab_size)
+    method = make_method("ddtree:2+lookup", None, None, drafter, table)
+    method.lookup = ContextLookup(match=30, length=3, longer=(), table=table)  # the context never matches
+    counts, grafted, accepted_grafts = sample_with_grafts(target, drafter, method, params)
+    assert grafted > SAMPLES and accepted_grafts > SAMPLES // 20, (grafted, accepted_grafts)
+    rejected, stat, critical = chi_square_rejects(counts, exact_distribution(target, params), SAMPLES)
+    assert not rejected, f"chi-square {stat:.1f} > critical {critical:.1f}: ddtree+lookup with a table is not lossless"
 
 
 def test_at_temperature_one_the_probabilities_are_the_divided_logits():

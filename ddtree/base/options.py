@@ -10,6 +10,7 @@ off/on in any case):
   cpu_isa       cpu_kernel="avx2"|"avx512" / --cpu-kernel   DDTREE_CPU_ISA          auto: the CPU's own
   gguf_blocks   gguf_blocks=False / --no-gguf-blocks        DDTREE_GGUF_BLOCKS      True
   markov_head   markov_head=True / --markov-head            DDTREE_MARKOV_HEAD      False
+  ngram_table   ngram_table=False / --no-ngram-table        DDTREE_NGRAM_TABLE      True (where the drafter has one)
   cuda_graphs   cuda_graphs=False                           DDTREE_CUDA_GRAPHS      True
   attention     attention_backend / --attention             DDTREE_ATTENTION        auto: triton on CUDA, else sdpa
   threads       threads=N / --threads N                     DDTREE_THREADS          the cores other processes
@@ -71,13 +72,14 @@ class LoadOptions:
     cpu_isa: str = "auto"  # their build: auto (the CPU's own), avx2 or avx512
     gguf_blocks: bool = True  # a float target converted from a GGUF reads its exact blocks for narrow passes
     markov_head: bool = False  # a drafter's Markov head drafts each node's children (if it has one)
+    ngram_table: bool = True  # the lookup of ddtree:N+lookup falls back on the drafter's n-gram table (if it has one)
     cuda_graphs: bool = True  # the CUDA runtime (captured graphs) on a GPU with the Triton backend
     attention: str = "auto"  # auto, sdpa or triton
     quant: Quant | None = None
     threads: int | None = None  # torch's CPU threads; None: the machine's (set at load)
 
     def __post_init__(self):
-        for name in ("cpu_kernel", "gguf_blocks", "markov_head", "cuda_graphs"):
+        for name in ("cpu_kernel", "gguf_blocks", "markov_head", "ngram_table", "cuda_graphs"):
             _flag(name, getattr(self, name))
         if self.cpu_isa not in ISAS:
             raise ConfigError(f"unknown cpu_isa {self.cpu_isa!r}; choose one of {', '.join(ISAS)}")
@@ -101,7 +103,7 @@ class LoadOptions:
     @classmethod
     def resolve(cls, cpu_kernel: str | None = None, gguf_blocks: bool | None = None,
                 markov_head: bool | None = None, cuda_graphs: bool | None = None, attention: str | None = None,
-                quant=None, threads: int | None = None) -> "LoadOptions":
+                quant=None, threads: int | None = None, ngram_table: bool | None = None) -> "LoadOptions":
         """The options of one load: each knob from its argument where given, else its DDTREE_* variable, else
         the default. cpu_kernel is load()'s: "auto" (or None), "avx2", "avx512" (the build: cpu_isa) or "off"."""
         if cpu_kernel is not None and cpu_kernel not in CPU_KERNELS:
@@ -115,6 +117,8 @@ class LoadOptions:
                                                                                               gguf_blocks),
             markov_head=env_flag("DDTREE_MARKOV_HEAD", False) if markov_head is None else _flag("markov_head",
                                                                                                 markov_head),
+            ngram_table=env_flag("DDTREE_NGRAM_TABLE", True) if ngram_table is None else _flag("ngram_table",
+                                                                                              ngram_table),
             cuda_graphs=env_flag("DDTREE_CUDA_GRAPHS", True) if cuda_graphs is None else _flag("cuda_graphs",
                                                                                               cuda_graphs),
             attention=(env_choice("DDTREE_ATTENTION", ATTENTION_BACKENDS, "auto") if attention in (None, "auto")
@@ -158,6 +162,9 @@ def add_model_args(p: argparse.ArgumentParser, quant: bool = True) -> None:
     p.add_argument("--markov-head", action="store_true", default=None,
                    help="use the drafter's Markov head: each tree node's children from its own conditional "
                         "(ddtree/models/markov.py; DDTREE_MARKOV_HEAD=1 where not given)")
+    p.add_argument("--no-ngram-table", dest="ngram_table", action="store_false", default=None,
+                   help="the context lookup (ddtree:N+lookup) does not fall back on the drafter's table of the "
+                        "target's own 3-gram continuations (ddtree/engine/ngram_table.py; DDTREE_NGRAM_TABLE=0)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", help="float32 or bfloat16 (default: bfloat16 on CUDA, float32 on every CPU)")
     p.add_argument("--attention", default="auto", choices=list(ATTENTION_BACKENDS),
@@ -187,4 +194,4 @@ def load_options_from(args: argparse.Namespace) -> dict:
     return dict(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
                 attention_backend=args.attention, backend=args.backend, quant=getattr(args, "quant", None),
                 cpu_kernel=args.cpu_kernel, gguf_blocks=args.gguf_blocks, markov_head=args.markov_head,
-                threads=args.threads)
+                threads=args.threads, ngram_table=args.ngram_table)

@@ -192,10 +192,19 @@ def code_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
+def drafter_label(pair) -> str:
+    """The drafter's label, and its n-gram table's size where the lookup falls back on one (ngram_table.py)."""
+    table = pair.ngram_table
+    return pair.drafter.label + (f" + n-gram table ({len(table):,} 3-grams)" if table is not None else "")
+
+
 def drafter_fingerprint(pair) -> str:
-    """Label plus a checksum of the drafter weights: a newly trained drafter must not reuse cached records."""
+    """Label plus a checksum of the drafter weights (and of the table's keys): a newly trained drafter, or another
+    table, must not reuse cached records."""
     total = sum(float(p.detach().double().sum()) for p in reference(pair.drafter).parameters())
-    return f"{pair.drafter.label}:{total:.9e}"
+    table = pair.ngram_table
+    keys = f":{int(table.keys.sum(dtype='uint64'))}" if table is not None else ""
+    return f"{drafter_label(pair)}:{total:.9e}{keys}"
 
 
 def dtype_label(pair) -> str:
@@ -424,7 +433,7 @@ def environment(pair, threads: int, world: int) -> dict:
 
     return dict(torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 device=str(pair.device), dtype=dtype_label(pair), threads=threads,
-                world_size=world, cpu=cpu_description(), target=pair.name, drafter=pair.drafter.label,
+                world_size=world, cpu=cpu_description(), target=pair.name, drafter=drafter_label(pair),
                 gpu=torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else None,
                 git_commit=_git_commit(), date=time.strftime("%Y-%m-%d"))
 
@@ -740,7 +749,7 @@ def _run(args, rank, world, out, specs, modes, tqdm) -> int:
     count = lambda groups: sum(len(g["slots"]) * len(needs[id(g)].repeats) for g in groups)  # noqa: E731
     if rank == 0:
         print(f"ddtree benchmark: {len(plan)} prompt groups x {len(specs)} methods x {args.repeats} repeats "
-              f"({', '.join(modes)}); drafter: {pairs[modes[0]].drafter.label}; {world} process(es); "
+              f"({', '.join(modes)}); drafter: {drafter_label(pairs[modes[0]])}; {world} process(es); "
               f"{count(todo)} runs to do on rank 0, {len(mine) - len(todo)} groups cached", file=sys.stderr)
     errors = 0
     suffix = "" if world == 1 else f".rank{rank}"

@@ -92,7 +92,7 @@ class AR(Method):
     """Plain autoregressive decoding: the tree is the root alone."""
 
     @classmethod
-    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "AR":
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None, ngram_table=None) -> "AR":
         return cls(spec)
 
     def max_nodes(self) -> int:
@@ -107,7 +107,7 @@ class DFlash(Method):
         self.block_size = block_size
 
     @classmethod
-    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DFlash":
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None, ngram_table=None) -> "DFlash":
         return cls(spec, check_block_size(block_size, drafter.block_size))
 
     def max_nodes(self) -> int:
@@ -130,22 +130,23 @@ class DDTree(Method):
     about a percent with the shipped drafter while a shorter draft pass costs less on a CPU (docs/cpu-speed.md).
     From budget 7 on the whole block is drafted."""
 
-    def __init__(self, spec: MethodSpec, budget: int, block_size: int):
+    def __init__(self, spec: MethodSpec, budget: int, block_size: int, ngram_table=None):
         super().__init__(spec)
         self.budget, self.block_size = budget, min(block_size, budget + 1)
-        self.lookup = ContextLookup() if spec.lookup else None  # ddtree:N+lookup
+        self.lookup = ContextLookup(table=ngram_table) if spec.lookup else None  # ddtree:N+lookup
 
     @classmethod
-    def make(cls, spec: MethodSpec, drafter, block_size: int | None) -> "DDTree":
-        """A fixed budget, or (spec.budget 'auto') the adaptive one, AdaptiveDDTree."""
+    def make(cls, spec: MethodSpec, drafter, block_size: int | None, ngram_table=None) -> "DDTree":
+        """A fixed budget, or (spec.budget 'auto') the adaptive one, AdaptiveDDTree. ngram_table: the target's own
+        3-gram continuations (ngram_table.py), which the lookup of ddtree:N+lookup falls back on."""
         block_size = check_block_size(block_size, drafter.block_size)
         context = drafter.target.cfg.max_position_embeddings
         if spec.adaptive:
-            return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size)
+            return AdaptiveDDTree(spec, min(AUTO_MAX_BUDGET, context - 1), block_size, ngram_table)
         if spec.budget > context - 1:
             raise ConfigError(f"budget {spec.budget} cannot help: a tree of {spec.budget} draft nodes and its root "
                               f"must fit the target's context of {context} positions; use at most {context - 1}")
-        return cls(spec, spec.budget, block_size)
+        return cls(spec, spec.budget, block_size, ngram_table)
 
     def max_nodes(self) -> int:
         return self.budget + 1 + (self.lookup.length if self.lookup is not None else 0)
@@ -220,8 +221,9 @@ class AdaptiveDDTree(DDTree):
     step, per node it added; an average over the steps that had a chain, grafted or not, weighted GRAFT_ALPHA per
     chain) is at least GRAFT_FLOOR. A chain is judged once the text has reached its end, a step or a few later: a
     step that did not graft it commits only the drafter's tokens and the bonus, and judging it on those alone would
-    count its later tokens as misses. The yield is learned per tier of the lookup (ContextLookup.tiers: how far the
-    chain's earlier occurrence agrees), since a long agreement copies on far more reliably than a 3-token one. A
+    count its later tokens as misses. The yield is learned per kind of chain (ContextLookup.kinds: how far the
+    chain's earlier occurrence agrees, or the n-gram table's), since a long agreement copies on far more reliably
+    than a 3-token one, and the table's guesses hold on some texts and not on others. A
     floor, not a rate comparison on the cost curve: the yield lags a passage the output starts to copy by the steps
     its chains take to be judged, and a rate comparison declined exactly those first chains (docs/cpu-speed.md).
     Where a chain will be grafted, the drafter's nodes are weighed on top of the rows it adds (choose_budget's
@@ -237,8 +239,8 @@ class AdaptiveDDTree(DDTree):
     GRAFT_ALPHA = 0.3
     GRAFT_FLOOR = 0.1  # a tier whose chains match less than this per added node is not grafted
 
-    def __init__(self, spec: MethodSpec, max_budget: int, block_size: int):
-        super().__init__(spec, max_budget, block_size)
+    def __init__(self, spec: MethodSpec, max_budget: int, block_size: int, ngram_table=None):
+        super().__init__(spec, max_budget, block_size, ngram_table)
         self.max_length = self.block_size
         self.cost: CostModel | None = None  # prepare() loads or measures it, unless set beforehand
         self._last = None  # (path log-probs, depths) of the drafter's nodes verified in the current step
@@ -256,9 +258,9 @@ class AdaptiveDDTree(DDTree):
     def _fresh(self) -> tuple:
         """A sampling setting's state before it has learned anything: trust in the drafter, the draft gate, the
         recent trees' (depth, nodes), the next draft's length and the tokens a grafted node adds, per lookup tier."""
-        tiers = len(self.lookup.tiers) if self.lookup is not None else 1
+        kinds = self.lookup.kinds if self.lookup is not None else 1
         return (EdgeCalibration(), DraftGate(), deque(maxlen=self.DEPTH_MEMORY), self.max_length,
-                [self.GRAFT_PRIOR] * tiers)
+                [self.GRAFT_PRIOR] * kinds)
 
     def _enter(self, sampling: SamplingParams) -> None:
         """Make `sampling`'s learned state the current one (a fresh one the first time), keeping the last one's."""
@@ -367,10 +369,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: int | None = None,
-                drafter=None) -> Method:
+                drafter=None, ngram_table=None) -> Method:
     """A Method for `method` (a MethodSpec or its text: 'ar', 'dflash', 'ddtree', 'ddtree:32', 'ddtree:auto';
     a bare 'ddtree' takes `budget`), made by its strategy in the method registry (method_spec.METHODS). Budgets
-    and block sizes that cannot help are refused here, once."""
+    and block sizes that cannot help are refused here, once. ngram_table: an NgramTable the context lookup falls
+    back on (ngram_table.py), or None."""
     spec = MethodSpec.parse(method, budget)
     info = spec.info
     if info.peer:
@@ -378,7 +381,7 @@ def make_method(method: str | MethodSpec = "ddtree", budget=None, block_size: in
                           "ar, dflash or ddtree here")
     if info.uses_drafter and drafter is None:
         raise ConfigError(f"method {spec.name!r} needs a drafter; load one (ddtree.load(draft=...)) or use method='ar'")
-    return info.load().make(spec, drafter, block_size)
+    return info.load().make(spec, drafter, block_size, ngram_table)
 
 
 def check_block_size(block_size, drafter_block: int) -> int:

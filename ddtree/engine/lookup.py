@@ -19,20 +19,22 @@ LENGTH = 4  # tokens a chain proposes at most (each new node is one more verifie
 # occurrence agrees, the further its continuation holds (measured on prompts outside the evaluation sets:
 # docs/cpu-speed.md)
 LONGER = ((6, 8), (10, 12))
+TABLE_LENGTH = 3  # tokens a table chain proposes at most: its later tokens matched too rarely to pay for their rows
 
 
 class ContextLookup:
     """The committed tokens of one generation and an index of their `match`-grams."""
 
-    def __init__(self, match: int = MATCH, length: int = LENGTH, longer: tuple = LONGER):
+    def __init__(self, match: int = MATCH, length: int = LENGTH, longer: tuple = LONGER, table=None):
         tiers = ((match, length), *longer)
         if match < 1 or length < 1 or any(b[0] <= a[0] or b[1] <= a[1] for a, b in zip(tiers, tiers[1:])):
             raise ValueError(f"context lookup needs match >= 1, length >= 1 and longer tiers that need more agreeing "
                              f"tokens and propose more, got {tiers}")
         self.match, self.tiers = match, tiers
-        self.length = tiers[-1][1]  # the longest chain it proposes
+        self.table = table  # an NgramTable or None
+        self.length = max(tiers[-1][1], TABLE_LENGTH if table is not None else 0)  # the longest chain it proposes
         self.top = len(tiers) - 1  # the highest tier chain() may use (greedy: all; sampled: the first, DDTree.prepare)
-        self.tier = 0  # the tier of the last chain(): an index into tiers
+        self.tier = 0  # the kind of the last chain(): an index into tiers, or len(tiers) for the table's
         self.tokens: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # match-gram -> index of its last token, latest occurrence
         self._previous: int | None = None  # where the current last match-gram ended before (None: first time)
@@ -52,11 +54,18 @@ class ContextLookup:
                 self._previous = self._ends.get(key)
                 self._ends[key] = len(history) - 1
 
+    @property
+    def kinds(self) -> int:
+        """How many kinds of chain chain() tells apart in self.tier: each tier of the context's, then the table's."""
+        return len(self.tiers) + 1
+
     def chain(self) -> list[int]:
-        """The tokens that followed the last match-gram's previous occurrence ([] when it has none): as many as the
-        longest tier (up to `top`) whose agreement that occurrence reaches allows (self.tier)."""
+        """The tokens that followed the last match-gram's previous occurrence: as many as the longest tier (up to
+        `top`) whose agreement that occurrence reaches allows (self.tier). Without one, the table's chain (self.tier
+        = len(tiers)), or []."""
         if self._previous is None:
-            return []
+            self.tier = len(self.tiers)
+            return self.table.chain(self.tokens, TABLE_LENGTH) if self.table is not None else []
         history, end, last = self.tokens, self._previous, len(self.tokens) - 1
         agree, most = self.match, self.tiers[self.top][0]
         while agree < most and end - agree >= 0 and history[end - agree] == history[last - agree]:

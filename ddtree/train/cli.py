@@ -32,6 +32,8 @@ from ..models.markov import CONFIG_KEY as MARKOV_KEY, MarkovHead
 from ..base.files import output_dir, output_file, read_jsonl
 from ..models.loading import (SHIPPED_DRAFTER, default_dtype, load_target, load_tokenizer, parse_dtype, resolve_device,
                        resolve_target_dir, stop_token_ids)
+from ..engine.ngram_table import MIN_COUNT as NGRAM_MIN_COUNT, MIN_SHARE as NGRAM_MIN_SHARE, ORDER as NGRAM_ORDER
+from ..engine.ngram_table import FILE as NGRAM_FILE, NgramTable
 from ..runtime.cpu.qlinear import po2_q8
 from .card import model_card
 from .data import (DECODERS, GenerationSettings, encode_prompt, follow_up_ids, generate_data, read_records,
@@ -416,11 +418,12 @@ def cmd_quantize(args) -> int:
 
 def _write_drafter(drafter, out: Path, source: Path) -> None:
     """A drafter made from the one in `source` (quantize, prune-vocab), written to `out` in bfloat16 with the source's
-    model card copied unchanged."""
+    model card and n-gram table (the target's, not the drafter's: ngram_table.py) copied unchanged."""
     with replacing_dir(out) as tmp:
         drafter.save(tmp, torch.bfloat16)
-        if (source / "README.md").is_file():
-            shutil.copy(source / "README.md", tmp / "README.md")
+        for name in ("README.md", NGRAM_FILE):
+            if (source / name).is_file():
+                shutil.copy(source / name, tmp / name)
 
 
 def cmd_prune_vocab(args) -> int:
@@ -451,6 +454,30 @@ def cmd_prune_vocab(args) -> int:
           f"{coverage(own[keep], train):.2%} of the training response tokens (all {drafter.cfg.draft_vocab_size}: "
           f"{coverage(own, train):.2%}); written to {out} in bfloat16 (its model card copied unchanged: say there "
           "that it is pruned)")
+    return 0
+
+
+def cmd_ngram_table(args) -> int:
+    """The table of the target's own 3-gram continuations (ddtree/engine/ngram_table.py) from --data's training
+    answers, written to --out (ngrams.npz in a drafter's folder: load() gives it to ddtree:N+lookup)."""
+    if not args.out.endswith(".npz"):
+        raise ConfigError(f"--out {args.out}: the table is an .npz file; name it so (e.g. DRAFTER_DIR/ngrams.npz)")
+    out = output_file(args.out, "--out")
+    if out.exists() and not args.force:
+        raise ConfigError(f"--out {out} exists; give --force to replace it")
+    target, _, _, _ = _load_target(args)
+    train = read_sequences(args.data, "train")
+    if not train:
+        raise ConfigError(f"--data {' '.join(args.data)}: no training answers there (generate-data writes them)")
+    # each answer with the ORDER prompt tokens before it (the chat template's assistant header), so its first
+    # tokens have 3-grams too
+    answers = (seq.tokens[max(0, seq.prompt_len - NGRAM_ORDER):] for seq in train)
+    table = NgramTable.from_sequences(answers, target.cfg.vocab_size, args.min_count, args.min_share)
+    table.save(out)
+    tokens = sum(len(seq.tokens) - seq.prompt_len for seq in train)
+    print(f"ngram-table: {len(table):,} 3-grams (seen >= {args.min_count} times, one next token >= "
+          f"{args.min_share:.0%} of them) from {len(train):,} training answers ({tokens:,} response tokens); "
+          f"written to {out} ({out.stat().st_size / 1e6:.1f} MB)")
     return 0
 
 
@@ -732,6 +759,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--size", required=True, type=cli_int(1), help="draft tokens to keep")
     v.add_argument("--out", required=True, help="directory for the pruned drafter")
     v.add_argument("--force", action="store_true", help="replace what --out holds")
+    n = sub.add_parser("ngram-table", help="the target's own 3-gram continuations from the training answers: what "
+                       "ddtree:N+lookup falls back on where the context has no match")
+    _target_args(n)
+    n.add_argument("--data", required=True, nargs="+", metavar="DIR", help="generate-data directories (their "
+                   "training answers; never the evaluation sets)")
+    n.add_argument("--min-count", type=cli_int(1), default=NGRAM_MIN_COUNT,
+                   help="occurrences a kept 3-gram needs (default: %(default)s)")
+    n.add_argument("--min-share", type=float, default=NGRAM_MIN_SHARE,
+                   help="the share of them its most frequent next token needs (default: %(default)s)")
+    n.add_argument("--out", required=True, help="the table's file, e.g. a drafter's folder/ngrams.npz")
+    n.add_argument("--force", action="store_true", help="replace --out")
     p = sub.add_parser("probe", help="a drafter's top-1 and tree acceptance at every position of greedy answers")
     _target_args(p)
     p.add_argument("--draft", help="drafter directory (default: the shipped one)")
@@ -788,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"generate-data": cmd_generate_data, "fit": cmd_fit, "export": cmd_export, "quantize": cmd_quantize,
                 "prune-vocab": cmd_prune_vocab, "export-prompts": cmd_export_prompts, "probe": cmd_probe,
-                "markov-tables": cmd_markov_tables, "markov-fit": cmd_markov_fit}[args.command](args)
+                "markov-tables": cmd_markov_tables, "markov-fit": cmd_markov_fit,
+                "ngram-table": cmd_ngram_table}[args.command](args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
