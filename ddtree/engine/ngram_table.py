@@ -26,10 +26,21 @@ MIN_COUNT = 3  # occurrences a kept 3-gram needs
 MIN_SHARE = 0.6  # the share of them its most frequent next token needs
 
 
-def pack(grams: np.ndarray) -> np.ndarray:
+def pack(a, b, c):
+    """The key of the 3-gram (a, b, c): token ids as Python ints (an int) or as uint64 arrays (an array of keys)."""
+    return (a << 2 * BITS) | (b << BITS) | c
+
+
+def pack_rows(grams: np.ndarray) -> np.ndarray:
     """Keys [n] uint64 of 3-grams [n, 3] (token ids)."""
     grams = grams.astype(np.uint64)
-    return (grams[:, 0] << np.uint64(2 * BITS)) | (grams[:, 1] << np.uint64(BITS)) | grams[:, 2]
+    return pack(grams[:, 0], grams[:, 1], grams[:, 2])
+
+
+def unpack_rows(keys: np.ndarray) -> np.ndarray:
+    """The 3-grams [n, 3] (int64 token ids) of keys [n]."""
+    mask = np.uint64((1 << BITS) - 1)
+    return np.stack([keys >> np.uint64(2 * BITS), (keys >> np.uint64(BITS)) & mask, keys & mask], 1).astype(np.int64)
 
 
 class NgramTable:
@@ -43,13 +54,12 @@ class NgramTable:
         if vocab_size > 1 << BITS or (grams.size and max(int(grams.max()), int(next_ids.max())) >= vocab_size):
             raise ConfigError(f"an n-gram table's token ids must lie below its vocabulary ({vocab_size}, at most "
                               f"{1 << BITS}); rebuild it with `python -m ddtree train ngram-table`")
-        keys = pack(grams)
+        keys = pack_rows(grams)
         order = np.argsort(keys, kind="stable")
         self.keys, self.next_ids = keys[order], next_ids[order].astype(np.int64)
         if keys.size > 1 and not (np.diff(self.keys) > 0).all():
             raise ConfigError("an n-gram table holds a 3-gram twice; rebuild it with `python -m ddtree train "
                               "ngram-table`")
-        self.grams = grams[order]
         self.vocab_size = vocab_size
 
     def __len__(self) -> int:
@@ -59,7 +69,7 @@ class NgramTable:
         """The token the table predicts after (a, b, c), or None."""
         if max(a, b, c) >= self.vocab_size:
             return None
-        key = np.uint64((a << 2 * BITS) | (b << BITS) | c)
+        key = np.uint64(pack(a, b, c))
         i = int(self.keys.searchsorted(key))
         return int(self.next_ids[i]) if i < self.keys.size and self.keys[i] == key else None
 
@@ -95,7 +105,7 @@ class NgramTable:
         if max(int(g.max()), int(n.max())) >= vocab_size:
             raise ConfigError(f"a sequence holds a token id >= the vocabulary's {vocab_size}: the data is another "
                               "tokenizer's")
-        keys = pack(g)
+        keys = pack_rows(g)
         order = np.lexsort((n, keys))  # by key, then next token
         keys, n, g = keys[order], n[order], g[order]
         # runs of one (key, next) pair, then the pairs of one key
@@ -114,7 +124,7 @@ class NgramTable:
 
     def save(self, path) -> None:
         small = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
-        np.savez_compressed(path, grams=self.grams.astype(small), next_ids=self.next_ids.astype(small),
+        np.savez_compressed(path, grams=unpack_rows(self.keys).astype(small), next_ids=self.next_ids.astype(small),
                             vocab_size=np.int64(self.vocab_size))
 
     @classmethod
