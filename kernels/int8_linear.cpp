@@ -32,6 +32,12 @@
 // and q where the record is unpacked, once for up to ROWS rows); with maddubs (whose int16 pairs would saturate at
 // 255 * 128 * 2), |q| meets qx carrying q's sign (|q| <= 128, |qx| <= 127: below 2^15).
 // Vectors: 16 lanes (zmm) in builds with AVX-512F/BW, else 8 (ymm; a group is two halves).
+// AMX-INT8 (builds with -mamx-tile -mamx-int8 on top of AVX-512 VNNI; used where Linux grants the tile state and a
+// pass has at least amx_rows() rows): a record's weight chunks are already a tile product's B operand ([K / 4 = 8
+// rows][16 outputs x 4 bytes]; Q4_1 nibbles are split into 8 such rows first), the A operand is 16 x rows x 32 qx,
+// and one tile product per block gives the same exact int32 dots for 16 rows x 16 outputs (signed qx with the signed
+// Q8_0 q, or the unsigned Q4_1 nibbles: no offset). The float part per row is the VNNI path's, operation for
+// operation, so both give the same bits.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -43,6 +49,14 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DDTREE_AMX 1
+#else
+#define DDTREE_AMX 0
+#endif
 
 namespace ddtree_int8 {
 namespace {
@@ -61,7 +75,11 @@ enum class Prefetch { none, keep, stream };
 // paths on AVX2 with an exact emulation in its place (even and odd bytes widened to int16, then madd).
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DDTREE_VNNI 1
+#if DDTREE_AMX
+#define DDTREE_ISA "amx"
+#else
 #define DDTREE_ISA "avx512vnni"
+#endif
 #elif defined(__AVXVNNI__)
 #define DDTREE_VNNI 1
 #define DDTREE_ISA "avxvnni"
@@ -202,10 +220,11 @@ struct XRows {
   }
 };
 
-XRows quantize(const float* x, int64_t M, int64_t K, bool offset) {
+// pad_rows: qx holds that many rows (>= M), those past M zero (an AMX tile reads 16 rows at a time)
+XRows quantize(const float* x, int64_t M, int64_t K, bool offset, int64_t pad_rows = 0) {
   XRows xr;
   xr.kb = K / QK;
-  xr.q.resize(M * K);
+  xr.q.assign(std::max(M, pad_rows) * K, 0);
   xr.dx.resize(M * xr.kb);
   xr.sx.resize(M * xr.kb);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 as u8: the sign bit flipped
@@ -222,6 +241,7 @@ XRows quantize(const float* x, int64_t M, int64_t K, bool offset) {
 // ---- the weights: one record's L outputs (half h of the group when L = 8), ready for the rows ------------------
 struct Q4_1 {
   static constexpr int64_t RECORD = Q4_1_RECORD;
+  static inline int64_t amx_rows = 12;  // the fewest rows a pass takes the tile products for (builds with AMX)
   static constexpr bool HAS_M = true;
   static constexpr bool OFFSET = false;
   struct W {
@@ -238,6 +258,19 @@ struct Q4_1 {
     w.d = half(rec + 256 + 2 * L * h);
     w.m = half(rec + 288 + 2 * L * h);
   }
+#if DDTREE_AMX
+  // The tile product's B operand, [8 rows: dword j][16 outputs][4 bytes]: the nibbles split as prepare() splits them
+  static constexpr bool UNPACK = true;
+  static inline void tile_b(const uint8_t* rec, uint8_t* out) {
+    const VI low = set8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const VI v = loadi(rec + 64 * c);
+      _mm512_store_si512(out + 64 * c, and_(v, low));
+      _mm512_store_si512(out + 64 * (c + 4), and_(srl16(v, 4), low));
+    }
+  }
+  static inline void tile_scales(const uint8_t* rec, VF& d, VF& m) { d = half(rec + 256), m = half(rec + 288); }
+#endif
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
     VI a = dpbusd(zeroi(), w.u[0], bcast(x));  // two chains
@@ -258,6 +291,7 @@ struct Q4_1 {
 
 struct Q8_0 {
   static constexpr int64_t RECORD = Q8_0_RECORD;
+  static inline int64_t amx_rows = 5;  // as Q4_1's
   static constexpr bool HAS_M = false;
   static constexpr bool OFFSET = DDTREE_VNNI;  // x is read as qx + 128
   struct W {
@@ -288,6 +322,10 @@ struct Q8_0 {
     w.offset = sll32(sum, 7);
 #endif
   }
+#if DDTREE_AMX
+  static constexpr bool UNPACK = false;  // a record's chunks are the B operand as they are
+  static inline void tile_scales(const uint8_t* rec, VF& d, VF&) { d = half(rec + 512); }
+#endif
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
     VI a = dpbusd(zeroi(), bcast(x), w.q[0]);  // (qx + 128) . q, two chains
@@ -306,33 +344,22 @@ struct Q8_0 {
   }
 };
 
-// R rows [r0, r0 + R) against outputs [n0, n0 + L) (half h of group g): the accumulators stay in registers over
-// the blocks; per block term = (dw * dx) * isum [+ mw * sx], then acc = acc + term.
-template <class Q, int R>
-void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t r0, float* y, int64_t N,
-               int64_t n0, Prefetch prefetch) {
-  VF acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = zerof();
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* rec = group + b * Q::RECORD;
-    if (prefetch != Prefetch::none)  // never faults: past the end is harmless
-      for (int64_t line = 0; line < Q::RECORD; line += 64) {
-        const char* ahead = reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + line;
-        if (prefetch == Prefetch::stream)
-          _mm_prefetch(ahead, _MM_HINT_NTA);
-        else
-          _mm_prefetch(ahead, _MM_HINT_T0);
-      }
-    typename Q::W w;
-    Q::prepare(rec, h, w);
-    for (int i = 0; i < R; ++i) {
-      const int64_t r = r0 + i;
-      const VF isum = tofloat(Q::isum(w, x.dwords(r, b)));  // exact: |isum| < 2^24
-      VF term = mulf(mulf(w.d, bcastf(x.dx[r * KB + b])), isum);
-      if constexpr (Q::HAS_M) term = addf(term, mulf(w.m, bcastf(x.sx[r * KB + b])));
-      acc[i] = addf(acc[i], term);
-    }
+// The record PREFETCH_BYTES ahead of rec, as `prefetch` says (never faults: past the end is harmless)
+template <class Q>
+inline void prefetch_record(const uint8_t* rec, Prefetch prefetch) {
+  if (prefetch == Prefetch::none) return;
+  for (int64_t line = 0; line < Q::RECORD; line += 64) {
+    const char* ahead = reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + line;
+    if (prefetch == Prefetch::stream)
+      _mm_prefetch(ahead, _MM_HINT_NTA);
+    else
+      _mm_prefetch(ahead, _MM_HINT_T0);
   }
+}
+
+// y[r0 + i, n0 .. n0 + L) = acc[i] for the R rows, the lanes past N dropped
+template <int R>
+inline void store_rows(const VF (&acc)[R], float* y, int64_t r0, int64_t N, int64_t n0) {
   const int64_t valid = std::min<int64_t>(L, N - n0);
   for (int i = 0; i < R; ++i) {
     float* out = y + (r0 + i) * N + n0;
@@ -344,6 +371,29 @@ void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t 
       std::memcpy(out, lane, sizeof(float) * valid);
     }
   }
+}
+
+// R rows [r0, r0 + R) against outputs [n0, n0 + L) (half h of group g): the accumulators stay in registers over
+// the blocks; per block term = (dw * dx) * isum [+ mw * sx], then acc = acc + term.
+template <class Q, int R>
+void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t r0, float* y, int64_t N,
+               int64_t n0, Prefetch prefetch) {
+  VF acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = zerof();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* rec = group + b * Q::RECORD;
+    prefetch_record<Q>(rec, prefetch);
+    typename Q::W w;
+    Q::prepare(rec, h, w);
+    for (int i = 0; i < R; ++i) {
+      const int64_t r = r0 + i;
+      const VF isum = tofloat(Q::isum(w, x.dwords(r, b)));  // exact: |isum| < 2^24
+      VF term = mulf(mulf(w.d, bcastf(x.dx[r * KB + b])), isum);
+      if constexpr (Q::HAS_M) term = addf(term, mulf(w.m, bcastf(x.sx[r * KB + b])));
+      acc[i] = addf(acc[i], term);
+    }
+  }
+  store_rows<R>(acc, y, r0, N, n0);
 }
 
 // rows_pass<Q, R> for R = 1 .. ROWS
@@ -367,15 +417,167 @@ void group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x, int
   }
 }
 
+#if DDTREE_AMX
+// ---- AMX-INT8: one tile product per block for up to 16 rows x 16 outputs -----------------------------------
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_B = QK / 4 * 64;  // bytes of a B operand: 8 rows of 16 outputs x 4 bytes
+
+// Tiles C (r rows x 16 int32), A (r x rows x 32 qx) and B (8 x 64 bytes), twice: while one block's product runs,
+// the float work of the block before it reads the other C. r: the rows of a pass's chunk (<= 16; fewer rows load,
+// multiply and store less).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileConfig(int64_t r) {
+    for (int t : {0, 3}) rows[t] = uint8_t(r), colsb[t] = 64;      // C
+    for (int t : {1, 4}) rows[t] = uint8_t(r), colsb[t] = QK;      // A
+    for (int t : {2, 5}) rows[t] = QK / 4, colsb[t] = 64;          // B
+  }
+};
+
+// Linux keeps the tile state off until a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA;
+// kernel 5.16+); a tile instruction before that faults. Asked once, on the first pass that would use tiles.
+bool tiles_granted() {
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+// A block's product on tiles C, A, B (the intrinsics take tile numbers as literals: one function per tile set),
+// and the store of C into c [rows][16 outputs] int32: apart, so that the float work of the block before it can be
+// placed between them (its loads of the other c then come before this tile store, which they would wait for)
+#define DDTREE_TILE_BLOCK(PRODUCT, STORE, C, A, B)                                                  \
+  template <bool SIGNED_B>                                                                         \
+  inline void PRODUCT(const int8_t* a, int64_t stride, const uint8_t* b) {                        \
+    _tile_loadd(A, a, stride);                                                                     \
+    _tile_loadd(B, b, 64);                                                                         \
+    _tile_zero(C);                                                                                 \
+    if constexpr (SIGNED_B)                                                                        \
+      _tile_dpbssd(C, A, B); /* signed qx x signed Q8_0 q */                                       \
+    else                                                                                           \
+      _tile_dpbsud(C, A, B); /* signed qx x unsigned Q4_1 nibbles */                               \
+  }                                                                                                \
+  inline void STORE(int32_t* c) {                                                                  \
+    _tile_stored(C, c, 64);                                                                        \
+  }
+DDTREE_TILE_BLOCK(tile_product0, tile_store0, 0, 1, 2)
+DDTREE_TILE_BLOCK(tile_product1, tile_store1, 3, 4, 5)
+#undef DDTREE_TILE_BLOCK
+
+// acc[i] + block b's term for row r0 + i, the operations of rows_pass
+template <class Q, int R>
+inline void tile_terms(const uint8_t* rec, const int32_t* c, const XRows& x, int64_t r0, int64_t b, VF (&acc)[R]) {
+  VF d, m;
+  Q::tile_scales(rec, d, m);
+  for (int i = 0; i < R; ++i) {
+    const int64_t r = r0 + i;
+    const VF isum = tofloat(loadi(c + 16 * i));
+    VF term = mulf(mulf(d, bcastf(x.dx[r * x.kb + b])), isum);
+    if constexpr (Q::HAS_M) term = addf(term, mulf(m, bcastf(x.sx[r * x.kb + b])));
+    acc[i] = addf(acc[i], term);
+  }
+}
+
+// R rows [r0, r0 + R) against a group's 16 outputs; B operand of block b at bs + b * b_step. Pipelined: block b + 1's
+// product is issued before block b's float work.
+template <class Q, int R>
+void tile_rows_pass(const uint8_t* group, int64_t KB, const uint8_t* bs, int64_t b_step, const XRows& x, int64_t r0,
+                    float* y, int64_t N, int64_t n0, Prefetch prefetch) {
+  constexpr bool SIGNED_B = !Q::HAS_M;
+  alignas(64) int32_t c[2][TILE_ROWS * 16];
+  const int64_t stride = KB * QK;  // bytes from one qx row to the next
+  const int8_t* a = x.q.data() + r0 * stride;
+  VF acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = zerof();
+  auto fetch = [&](int64_t b) { prefetch_record<Q>(group + b * Q::RECORD, prefetch); };
+  // block b's product is in c[b % 2] when its float work starts; block b + 1's runs meanwhile on the other tiles
+  fetch(0);
+  tile_product0<SIGNED_B>(a, stride, bs);
+  tile_store0(c[0]);
+  for (int64_t b = 0; b < KB; ++b) {
+    const bool next = b + 1 < KB, odd = b & 1;
+    if (next) {
+      fetch(b + 1);
+      if (odd)
+        tile_product0<SIGNED_B>(a + (b + 1) * QK, stride, bs + (b + 1) * b_step);
+      else
+        tile_product1<SIGNED_B>(a + (b + 1) * QK, stride, bs + (b + 1) * b_step);
+    }
+    tile_terms<Q, R>(group + b * Q::RECORD, c[odd], x, r0, b, acc);
+    if (next) {
+      if (odd)
+        tile_store0(c[0]);
+      else
+        tile_store1(c[1]);
+    }
+  }
+  store_rows<R>(acc, y, r0, N, n0);
+}
+
+template <class Q, int... R>
+constexpr auto tile_rows_passes(std::integer_sequence<int, R...>) {
+  using Pass = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, const XRows&, int64_t, float*, int64_t,
+                        int64_t, Prefetch);
+  return std::array<Pass, sizeof...(R)>{&tile_rows_pass<Q, R + 1>...};
+}
+
+// Group g for all M rows, `chunk` (<= 16, the tiles' rows) at a time (x.q padded to whole chunks). Q4_1's B operands are unpacked for the whole
+// group first, into `unpacked` (KB x 512 bytes): unpacked right before its tile load, a B operand would wait for
+// its stores to reach the cache.
+template <class Q>
+void tile_group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x, int64_t M, int64_t chunk,
+                     float* y, int64_t N, Prefetch prefetch, uint8_t* unpacked) {
+  static constexpr auto passes = tile_rows_passes<Q>(std::make_integer_sequence<int, TILE_ROWS>{});
+  const uint8_t* bs = group;
+  int64_t b_step = Q::RECORD;
+  if constexpr (Q::UNPACK) {
+    for (int64_t b = 0; b < KB; ++b) {
+      prefetch_record<Q>(group + b * Q::RECORD, prefetch);
+      Q::tile_b(group + b * Q::RECORD, unpacked + b * TILE_B);
+    }
+    bs = unpacked, b_step = TILE_B;
+  }
+  for (int64_t r0 = 0; r0 < M; r0 += chunk)
+    passes[std::min<int64_t>(chunk, M - r0) - 1](group, KB, bs, b_step, x, r0, y, N, GROUP * g,
+                                                   r0 == 0 && !Q::UNPACK ? prefetch : Prefetch::none);
+}
+#endif
+
+// Passes of at least Q::amx_rows rows take the tile products where the build has them and Linux grants the tiles.
+// Below, the dpbusd passes are as fast or faster: a tile product costs about as much for 1 row as for 16 (its
+// loads, the store of C, and float work that does not overlap it), and Q4_1 adds splitting its nibbles
+// (docs/cpu-speed.md has the crossover measured).
+
 template <class Q>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool stream) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK, G = packed.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const XRows xr = quantize(x.data_ptr<float>(), M, K, Q::OFFSET);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const Prefetch prefetch = stream ? Prefetch::stream : Prefetch::keep;
+#if DDTREE_AMX
+  if (M >= Q::amx_rows && tiles_granted()) {
+    // the rows in equal chunks of at most 16 (17 rows: 9 + 8, not 16 + 1: a tile pass costs about the same
+    // whatever its rows, and the last chunk reads rows past M, zeros)
+    const int64_t chunks = (M + TILE_ROWS - 1) / TILE_ROWS, chunk = (M + chunks - 1) / chunks;
+    const XRows xr = quantize(x.data_ptr<float>(), M, K, false, chunks * chunk);
+    at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
+      const TileConfig config(chunk);
+      _tile_loadconfig(&config);  // per thread: the tile configuration is a thread's state
+      std::vector<uint8_t> unpacked(Q::UNPACK ? KB * TILE_B + 64 : 0);
+      uint8_t* buffer = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t(63));
+      for (int64_t g = g0; g < g1; ++g)
+        tile_group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, chunk, yp, N, prefetch, buffer);
+      _tile_release();
+    });
+    return y;
+  }
+#endif
+  const XRows xr = quantize(x.data_ptr<float>(), M, K, Q::OFFSET);
   at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, yp, N, prefetch);
   });
@@ -503,6 +705,23 @@ void bind(pybind11::module& mod, const std::string& prefix) {
           "Q8_0 qs [N, K], d [N, K / 32] (fp16 values) -> records [N / 16, K / 32, 544]");
   mod.def((prefix + "quantize_rows").c_str(), &quantize_rows,
           "x [M, K] -> (qx int8 [M, K], dx [M, K / 32], sx [M, K / 32])");
+  mod.def((prefix + "amx_rows").c_str(), [](const std::string& kind, int64_t rows) {
+            TORCH_CHECK(kind == "Q4_1" || kind == "Q8_0", "kind must be 'Q4_1' or 'Q8_0', got '", kind, "'");
+            int64_t& threshold = kind == "Q4_1" ? Q4_1::amx_rows : Q8_0::amx_rows;
+            const int64_t before = threshold;
+            if (rows >= 0) threshold = std::max<int64_t>(rows, 1);
+            return before;
+          }, "the fewest rows a pass of `kind` ('Q4_1' or 'Q8_0') takes the AMX tile products for (builds with AMX; "
+          "the same bits either way); rows >= 1 sets it, -1 only reads it; -> the value before",
+          pybind11::arg("kind"), pybind11::arg("rows") = -1);
+  mod.def((prefix + "amx_active").c_str(), [] {
+#if DDTREE_AMX
+            return tiles_granted();
+#else
+            return false;
+#endif
+          }, "whether passes can take the tile products: the build has AMX and Linux granted the tile state");
+  mod.attr((prefix + "amx").c_str()) = bool(DDTREE_AMX);
   mod.attr((prefix + "vnni").c_str()) = bool(DDTREE_VNNI);
   mod.attr((prefix + "isa").c_str()) = DDTREE_ISA;
   mod.attr((prefix + "lanes").c_str()) = L;

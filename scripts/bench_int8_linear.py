@@ -3,10 +3,11 @@ SmolLM2-135M's layer set, all Q4_1: per layer qkv [960, 576], o [576, 576], gate
 a "stack" is 30 such layers (~66 MB of weights, more than a typical L3, so a pass streams them from DRAM).
 
     PYTHONPATH=. python scripts/bench_int8_linear.py [--threads 2] [--reps 15] [--rows 1,2,3,5,9,17]
-        [--int8-isas avx2,avxvnni]
+        [--int8-isas avx2,avxvnni,amx]
 
 Prints the machine (lscpu), ms per stack pass for each row count M, and each kernel's ratio to its 1-row pass.
-Weights are random spans (the timing does not depend on the values).
+Weights are random spans (the timing does not depend on the values). The amx build, where it is listed, is timed
+with every pass on its tile products (its thresholds set to 1 row); decoding's kernel keeps its own thresholds.
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rows", default="1,2,3,5,9,17")
     ap.add_argument("--int8-isas", default="", help="other builds of the int8 kernel to time beside it, comma "
-                    "separated (ddtree.runtime.cpu.int8.ISA_FLAGS: avx2, avxvnni, avx512vnni; the CPU must have them)")
+                    "separated (ddtree.runtime.cpu.int8.ISA_FLAGS: avx2, avxvnni, avx512vnni, amx; the CPU must have "
+                    "them; amx: every pass on the tile products)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -77,6 +79,8 @@ def main():
     kernels = {f"int8 {int8.kernel().isa} (decoding's)": lambda x, w: int8.linear_with(int8.kernel(), x, w)}
     for isa in args.int8_isas.split(",") if args.int8_isas else ():
         module = int8.build(isa)
+        if module.amx:
+            module.amx_rows("Q4_1", 1), module.amx_rows("Q8_0", 1)
         kernels[f"int8 {isa} build"] = lambda x, w, module=module: int8.linear_with(module, x, w)
     kernels["float (qlinear.q4_1_linear)"] = lambda x, w: qlinear.kernel().q4_1_linear(x, w.qs)
     print(f"machine: {machine()}")

@@ -180,22 +180,89 @@ def _builds_here() -> list[str]:
     builds where the CPU has them."""
     flags = cpu_flags()
     avx512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+    vnni512 = avx512 and "avx512_vnni" in flags
     return (["avx2", "vnni-emulated"] + (["avxvnni"] if "avx_vnni" in flags else []) + (["avx512"] if avx512 else [])
-            + (["avx512vnni"] if avx512 and "avx512_vnni" in flags else []))
+            + (["avx512vnni"] if vnni512 else []) + (["amx"] if vnni512 and {"amx_tile", "amx_int8"} <= flags else []))
+
+
+@pytest.fixture
+def every_pass_on_tiles():
+    """A function setting a module's AMX thresholds to 1 row (every pass on the tile products, where it has them)
+    for the test; the thresholds are restored after it."""
+    touched = []
+
+    def tiles(module):
+        if getattr(module, "amx", False):
+            touched.append((module, module.amx_rows("Q4_1", 1), module.amx_rows("Q8_0", 1)))
+        return module
+    yield tiles
+    for module, q4, q8 in touched:
+        module.amx_rows("Q4_1", q4), module.amx_rows("Q8_0", q8)
 
 
 @pytest.mark.slow  # a build of the kernel per instruction set (cached after the first run)
 @pytest.mark.parametrize("isa", _builds_here())
-def test_every_build_gives_the_same_bits(weights, isa):
-    """Every build's loops (8 or 16 lanes, dpbusd or maddubs + madd) give the reference's bits."""
-    module = int8.build(isa)
-    assert module.isa == isa and module.vnni == (isa not in ("avx2", "avx512"))
+def test_every_build_gives_the_same_bits(weights, isa, every_pass_on_tiles):
+    """Every build's loops (8 or 16 lanes, dpbusd or maddubs + madd, AMX tile products for every pass) give the
+    reference's bits."""
+    module = every_pass_on_tiles(int8.build(isa))
+    assert module.isa == isa and module.vnni == (isa not in ("avx2", "avx512")) and module.amx == (isa == "amx")
+    assert module.amx_active() == (isa == "amx")  # this CPU has the build's flags: Linux grants the tiles
     for kind in KINDS:
         for n, k in ((67, 576), (576, 1536)):
             w = weights(kind, n, k)
             for m in (1, 3, 4, 5, 8, 9, 17):
                 x = activations(m, k, seed=m)
                 assert torch.equal(int8.linear_with(module, x, w), int8.int8_linear_reference(x, w)), (kind, n, m)
+
+
+# decoding's kernel has the tile products where its AVX-512 build sees these flags (qlinear.build_kernel)
+AMX = (torch.backends.cpu.get_cpu_capability() == "AVX512"
+       and {"avx512_vnni", "amx_tile", "amx_int8"} <= cpu_flags())
+
+
+@pytest.mark.skipif(not AMX, reason="decoding's kernel has no AMX tile products on this CPU (no amx_int8)")
+@pytest.mark.parametrize("kind", KINDS)
+def test_tile_products_give_the_dpbusd_bits(weights, kind):
+    """Decoding's kernel with AMX: each pass on the tile products (threshold 1) and on the dpbusd loops (threshold
+    past M) gives the reference's bits, at every row count around the tiles' 16 rows and their equal chunks, with
+    outputs past a group of 16 (N = 67) and a long K."""
+    k = int8.kernel()
+    assert k.amx and k.amx_active()  # the CPU has AMX-INT8: Linux must grant the tile state
+    before = k.amx_rows(kind)
+    try:
+        for n, kk in ((67, 576), (576, 1536)):
+            w = weights(kind, n, kk)
+            for m in (1, 2, 5, 8, 12, 15, 16, 17, 24, 31, 32, 33, 40):
+                x = activations(m, kk, seed=100 + m)
+                want = int8.int8_linear_reference(x, w)
+                for threshold in (1, m + 1):
+                    k.amx_rows(kind, threshold)
+                    assert torch.equal(int8.int8_linear(x, w), want), (kind, n, m, threshold)
+    finally:
+        k.amx_rows(kind, before)
+
+
+@pytest.mark.skipif(not AMX, reason="decoding's kernel has no AMX tile products on this CPU (no amx_int8)")
+def test_tile_threshold_knob():
+    """amx_rows reads and sets a kind's threshold (at least 1) and refuses an unknown kind."""
+    k = int8.kernel()
+    before = k.amx_rows("Q8_0")
+    try:
+        assert k.amx_rows("Q8_0", 0) == before and k.amx_rows("Q8_0") == 1  # clamped to 1 row
+        assert k.amx_rows("Q8_0", 7) == 1 and k.amx_rows("Q8_0") == 7
+    finally:
+        k.amx_rows("Q8_0", before)
+    with pytest.raises(RuntimeError, match="kind must be 'Q4_1' or 'Q8_0'"):
+        k.amx_rows("Q5_0", 3)
+
+
+def test_products_name_what_serves_them():
+    """products() names the int8 build, and an AMX build whose tiles Linux refused as its dpbusd fallback."""
+    from types import SimpleNamespace
+    assert int8.products(SimpleNamespace(int8_isa="avx512vnni", int8_amx_active=lambda: False)) == "avx512vnni"
+    assert int8.products(SimpleNamespace(int8_isa="amx", int8_amx_active=lambda: True)) == "amx"
+    assert "not granted" in int8.products(SimpleNamespace(int8_isa="amx", int8_amx_active=lambda: False))
 
 
 def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
@@ -208,6 +275,8 @@ def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
         int8.build.__wrapped__("avx512vnni")
     with pytest.raises(ConfigError, match="avx_vnni"):
         int8.build.__wrapped__("avxvnni")
+    with pytest.raises(ConfigError, match="amx_int8, amx_tile"):
+        int8.build.__wrapped__("amx")
 
 
 # --- (e) errors -------------------------------------------------------------------------------------------------

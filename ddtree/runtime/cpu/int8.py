@@ -33,12 +33,14 @@ ISA_FLAGS = {
     "avx2": [],
     "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw"],
     "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
+    "amx": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     "avxvnni": ["-mavxvnni"],
     "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
 }
 # the CPU flags (/proc/cpuinfo) a build's instructions need beyond AVX2
 _AVX512 = {"avx512f", "avx512bw", "avx512vl"}
-ISA_NEEDS = {"avx512": _AVX512, "avx512vnni": _AVX512 | {"avx512_vnni"}, "avxvnni": {"avx_vnni"}}
+ISA_NEEDS = {"avx512": _AVX512, "avx512vnni": _AVX512 | {"avx512_vnni"},
+             "amx": _AVX512 | {"avx512_vnni", "amx_tile", "amx_int8"}, "avxvnni": {"avx_vnni"}}
 BASE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DDDTREE_INT8_MODULE"]
 
 
@@ -67,7 +69,16 @@ def kernel() -> SimpleNamespace:
     return SimpleNamespace(q4_1_linear=main.int8_q4_1_linear, q8_0_linear=main.int8_q8_0_linear,
                            pack_q4_1=main.int8_pack_q4_1, pack_q8_0=main.int8_pack_q8_0,
                            quantize_rows=main.int8_quantize_rows, vnni=main.int8_vnni, isa=main.int8_isa,
-                           lanes=main.int8_lanes)
+                           lanes=main.int8_lanes, amx=main.int8_amx, amx_active=main.int8_amx_active,
+                           amx_rows=main.int8_amx_rows)
+
+
+def products(main) -> str:
+    """What the int8 products of the CPU extension `main` (qlinear.kernel()) run on: its build's instruction set, and
+    for the AMX build whether Linux granted the tile state (else its dpbusd passes serve every pass)."""
+    if main.int8_isa == "amx" and not main.int8_amx_active():
+        return "avx512vnni (AMX tiles not granted by the OS)"
+    return main.int8_isa
 
 
 def _check_x(x: torch.Tensor, k: int | None = None, multiple: int = BLOCK) -> torch.Tensor:

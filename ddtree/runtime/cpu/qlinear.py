@@ -138,6 +138,8 @@ def build_kernel(isa: str = "avx2"):
         flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq"]
         if "avx512_vnni" in cpu_flags():  # int8 dot products in one instruction (int8_linear.cpp; same bits)
             flags.append("-mavx512vnni")
+            if {"amx_tile", "amx_int8"} <= cpu_flags():  # tile products for passes of several rows (same bits)
+                flags += ["-mamx-tile", "-mamx-int8"]
     return compile_extension("ddtree_qlinear" + ("" if isa == "avx2" else "_" + isa), sources, flags,
                              f"the CPU matmul kernel for {isa}",
                              fix="quant='gguf' needs it; float targets run on torch's matmuls without it")

@@ -24,7 +24,7 @@ from ...models.kv_cache import ContextCache, KVCache, add_context, flush_context
 from ...models.protocol import RowLogits, TargetOutput
 from ...models.target import TargetModel
 from ..base import DrafterRuntime, TargetRuntime
-from . import exact_blocks, qlinear, stack
+from . import exact_blocks, int8, qlinear, stack
 from .quant_target import int8_activations, quantize_target
 from .step_ops import KernelStepOps
 from .weights_watch import STALE, WeightsWatch
@@ -234,6 +234,7 @@ class CPUTarget(TargetRuntime):
             out["quant"] = self.quant
         if self.int8:
             out["kv_cache"] = str(self.kv_dtype).removeprefix("torch.")
+            out["int8_products"] = int8.products(self.kernel)
         if self.stack is not None:
             # the kernels' build (a hash of their sources): a changed kernel is a new cost curve
             out.update(cpu_layers=True, cpu_kernel=self.kernel.isa, kernel_build=self.kernel.ddtree_build)
