@@ -207,7 +207,7 @@ def test_every_build_gives_the_same_bits(weights, isa, every_pass_on_tiles):
     reference's bits."""
     module = every_pass_on_tiles(int8.build(isa))
     assert module.isa == isa and module.vnni == (isa not in ("avx2", "avx512")) and module.amx == (isa == "amx")
-    assert module.amx_active() == (isa == "amx")  # this CPU has the build's flags: Linux grants the tiles
+    assert module.amx_active() <= (isa == "amx")  # tiles only in the amx build (where Linux grants them)
     for kind in KINDS:
         for n, k in ((67, 576), (576, 1536)):
             w = weights(kind, n, k)
@@ -228,7 +228,9 @@ def test_tile_products_give_the_dpbusd_bits(weights, kind):
     past M) gives the reference's bits, at every row count around the tiles' 16 rows and their equal chunks, with
     outputs past a group of 16 (N = 67) and a long K."""
     k = int8.kernel()
-    assert k.amx and k.amx_active()  # the CPU has AMX-INT8: Linux must grant the tile state
+    assert k.amx  # the AVX-512 build has the tile products where the CPU has these flags
+    if not k.amx_active():  # a kernel before Linux 5.16, or a hypervisor that keeps the tile state off
+        pytest.skip("Linux did not grant the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): the dpbusd loops serve")
     before = k.amx_rows(kind)
     try:
         for n, kk in ((67, 576), (576, 1536)):
