@@ -248,28 +248,31 @@ struct Q4_1 {
     VI u[8];  // dword j of the block for L outputs, u8 nibbles
     VF d, m;
   };
-  static inline void prepare(const uint8_t* rec, int h, W& w) {
+  // dword j of the block for L outputs (half h of the group), u8 nibbles
+  static inline void split(const uint8_t* rec, int h, VI (&u)[8]) {
     const VI low = set8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const VI v = loadi(rec + 64 * c + 4 * L * h);
-      w.u[c] = and_(v, low);                // weights 4c .. 4c + 3: dword c
-      w.u[c + 4] = and_(srl16(v, 4), low);  // weights 16 + 4c ..: dword c + 4
+      u[c] = and_(v, low);                // weights 4c .. 4c + 3: dword c
+      u[c + 4] = and_(srl16(v, 4), low);  // weights 16 + 4c ..: dword c + 4
     }
-    w.d = half(rec + 256 + 2 * L * h);
-    w.m = half(rec + 288 + 2 * L * h);
+  }
+  static inline void scales(const uint8_t* rec, int h, VF& d, VF& m) {
+    d = half(rec + 256 + 2 * L * h);
+    m = half(rec + 288 + 2 * L * h);
+  }
+  static inline void prepare(const uint8_t* rec, int h, W& w) {
+    split(rec, h, w.u);
+    scales(rec, h, w.d, w.m);
   }
 #if DDTREE_AMX
-  // The tile product's B operand, [8 rows: dword j][16 outputs][4 bytes]: the nibbles split as prepare() splits them
+  // The tile product's B operand, [8 rows: dword j][16 outputs][4 bytes]: the split nibbles stored
   static constexpr bool UNPACK = true;
   static inline void tile_b(const uint8_t* rec, uint8_t* out) {
-    const VI low = set8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const VI v = loadi(rec + 64 * c);
-      _mm512_store_si512(out + 64 * c, and_(v, low));
-      _mm512_store_si512(out + 64 * (c + 4), and_(srl16(v, 4), low));
-    }
+    VI u[8];
+    split(rec, 0, u);
+    for (int j = 0; j < 8; ++j) _mm512_store_si512(out + 64 * j, u[j]);
   }
-  static inline void tile_scales(const uint8_t* rec, VF& d, VF& m) { d = half(rec + 256), m = half(rec + 288); }
 #endif
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
@@ -317,14 +320,15 @@ struct Q8_0 {
       w.q[j] = abs8(v);  // -128 -> 0x80, read as unsigned 128
 #endif
     }
-    w.d = half(rec + 512 + 2 * L * h);
+    VF no_m;
+    scales(rec, h, w.d, no_m);
 #if DDTREE_VNNI
     w.offset = sll32(sum, 7);
 #endif
   }
+  static inline void scales(const uint8_t* rec, int h, VF& d, VF&) { d = half(rec + 512 + 2 * L * h); }  // no m
 #if DDTREE_AMX
   static constexpr bool UNPACK = false;  // a record's chunks are the B operand as they are
-  static inline void tile_scales(const uint8_t* rec, VF& d, VF&) { d = half(rec + 512); }
 #endif
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
@@ -471,7 +475,7 @@ DDTREE_TILE_BLOCK(tile_product1, tile_store1, 3, 4, 5)
 template <class Q, int R>
 inline void tile_terms(const uint8_t* rec, const int32_t* c, const XRows& x, int64_t r0, int64_t b, VF (&acc)[R]) {
   VF d, m;
-  Q::tile_scales(rec, d, m);
+  Q::scales(rec, 0, d, m);
   for (int i = 0; i < R; ++i) {
     const int64_t r = r0 + i;
     const VF isum = tofloat(loadi(c + 16 * i));
