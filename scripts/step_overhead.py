@@ -2,10 +2,11 @@
 
     python scripts/step_overhead.py --method ddtree:2 --quant gguf-int8 --prompts 6 --tokens 96
 
-Decodes the first prompts of each evaluation set with `ar` and the method, timing every model pass (the target's
-layers and head, the drafter's context pass, draft layers and head) around the decoding loop, and prints per
-step: the whole step, the passes, and what is left (tree build, compile, walk, commit, Python), next to the
-stage timers' own columns. The prefill is left out. Greedy, every method checked against `ar` token for token.
+Decodes the first prompts of each evaluation set with `ar` and the method back to back, prompt by prompt (so the
+machine's drift hits both alike), timing every model pass (the target's layers and head, the drafter's context pass,
+draft layers and head) around the decoding loop, and prints per step: the whole step, the passes, and what is left
+(tree build, compile, walk, commit, Python), next to the stage timers' own columns. The prefill is left out.
+Greedy, every method checked against `ar` token for token.
 """
 from __future__ import annotations
 
@@ -71,36 +72,44 @@ def main() -> None:
     pair.generate(prompts[0], method=args.method, max_new_tokens=8)  # warm-up
     print(f"{machine_name('cpu')}, {args.threads} thread(s), target {pair.target.quant or 'float'}, {args.method}, "
           f"{len(prompts)} prompts x {args.tokens} tokens, greedy; ms per step (prefill excluded)")
-    for method in ("ar", args.method):
-        totals, steps, tokens, stages = defaultdict(float), 0, 0, defaultdict(float)
-        for prompt in prompts:
-            reference = pair.generate(prompt, method="ar", max_new_tokens=args.tokens).token_ids
+    # per prompt, ar and the method back to back (ar's run is the method's reference), so that the machine's drift
+    # over the run hits both alike
+    totals = {m: defaultdict(float) for m in ("ar", args.method)}
+    stages = {m: defaultdict(float) for m in ("ar", args.method)}
+    steps, tokens = defaultdict(int), defaultdict(int)
+    for prompt in prompts:
+        reference = None
+        for method in dict.fromkeys(("ar", args.method)):
             clock.reset()
             res = pair.generate(prompt, method=method, max_new_tokens=args.tokens)
-            if list(res.token_ids) != list(reference):
+            if reference is None:
+                reference = list(res.token_ids)
+            elif list(res.token_ids) != reference:
                 raise SystemExit(f"{method} differs from ar on {prompt[:40]!r}")
-            st = res.stats
+            st, total = res.stats, totals[method]
             prefill = st.stage_seconds.get("prefill", 0.0)
-            n = len(st.acceptance_lengths)
-            steps, tokens = steps + n, tokens + st.new_tokens
-            totals["step"] += st.seconds - st.time_to_first_token
+            steps[method] += len(st.acceptance_lengths)
+            tokens[method] += st.new_tokens
+            total["step"] += st.seconds - st.time_to_first_token
             # the prefill's target pass lies inside the prefill stage: taken off the target's passes
-            totals["target"] += clock.outer["target layers"] + clock.outer["target head"] - prefill
-            totals["drafter"] += clock.outer["drafter draft"] + clock.outer["drafter context"]
-            totals["drafter context"] += clock.seconds["drafter context"]
-            totals["drafter head"] += clock.seconds["drafter head"]
+            total["target"] += clock.outer["target layers"] + clock.outer["target head"] - prefill
+            total["drafter"] += clock.outer["drafter draft"] + clock.outer["drafter context"]
+            total["drafter context"] += clock.seconds["drafter context"]
+            total["drafter head"] += clock.seconds["drafter head"]
             for stage, secs in st.stage_seconds.items():
-                stages[stage] += secs
-        ms = {k: 1000 * v / steps for k, v in totals.items()}
+                stages[method][stage] += secs
+    for method in totals:
+        n = steps[method]
+        ms = {k: 1000 * v / n for k, v in totals[method].items()}
         passes = ms["target"] + ms["drafter"]
-        print(f"\n{method}: {steps} steps, tau {tokens / steps:.2f}, {tokens / totals['step']:.1f} tok/s decode")
+        print(f"\n{method}: {n} steps, tau {tokens[method] / n:.2f}, {tokens[method] / totals[method]['step']:.1f} "
+              f"tok/s decode")
         print(f"  step {ms['step']:.3f} = target passes {ms['target']:.3f} + drafter passes {ms['drafter']:.3f} "
               f"+ outside the passes {ms['step'] - passes:.3f}")
         print(f"  drafter: context {ms['drafter context']:.3f}, its head {ms['drafter head']:.3f}, layers and the "
               f"rest {ms['drafter'] - ms['drafter context'] - ms['drafter head']:.3f}")
-        print("  stage timers: " + ", ".join(f"{k} {1000 * v / steps:.3f}" for k, v in stages.items()
+        print("  stage timers: " + ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in stages[method].items()
                                              if k != "prefill"))
-
 
 if __name__ == "__main__":
     main()

@@ -67,6 +67,10 @@ def test_tiny_benchmark_records(tiny_results):
         assert "flagged" in r and (r["flagged"] is None or "repeats" in r["flagged"] or "cores" in r["flagged"])
     assert [b["method"] for b in summary_json["best_fixed"]] == ["ddtree:16"] * 3  # the only fixed budget
     assert "## Headline" in summary and "| set, T | ar tok/s | dflash | ddtree:16 | best fixed |" in summary
+    # a step's cost: ar's step and verify, and each speculative method's draft and verify against them
+    assert "## A step's cost" in summary and "| humaneval, 0 | ar | 1.0 | 1.00 |" in summary
+    assert all(r["stage_ms_per_step"]["verify"] > 0 and r["ms_per_step"] >= r["stage_ms_per_step"]["verify"]
+               for r in rows)
     assert "AVX" in summary_json["env"]["cpu"] and "cores" in summary_json["env"]["cpu"]
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from ddtree.api import Pair
-from ddtree.bench.benchmark import PRESETS, build_plan, estimate_seconds, summarize
+from ddtree.bench.benchmark import PRESETS, build_plan, estimate_seconds, step_costs, summarize
 from ddtree.bench.compare import compare
 from ddtree.base.config import ConfigError
 from ddtree.bench.datasets import load_prompt_items, load_prompts
@@ -34,6 +34,23 @@ def test_speedup_is_tokens_per_second_over_ar_on_the_same_prompts():
     bench = summarize(records + [rec("ar", 0, 1.0, 10, dataset="e")], specs)
     assert [(r["dataset"], r["method"]) for r in bench] == [("d", "ar"), ("d", "ddtree:8"), ("e", "ar")]
     assert bench[1]["speedup"] == rows["ddtree:8"]["speedup"]
+
+
+def test_a_steps_cost_per_stage_and_against_ar():
+    ar = dict(rec("ar", 0, 1.1, 11, steps=10), time_to_first_token=0.1, stage_seconds=dict(prefill=0.1, verify=0.9))
+    tree = dict(rec("ddtree:4", 0, 0.7, 11, steps=5), time_to_first_token=0.1,
+                stage_seconds=dict(prefill=0.1, draft=0.1, verify=0.45, tree_build=0.02))
+    rows = {r["method"]: r for r in summarize_methods([ar, tree], parse_methods("ddtree:4"))}
+    # ar: 1.0 s of decoding over 10 steps, 90 ms of it verifying; ddtree: 0.6 s over 5 steps
+    assert rows["ar"]["ms_per_step"] == pytest.approx(100.0)
+    assert rows["ar"]["stage_ms_per_step"]["verify"] == pytest.approx(90.0)
+    assert rows["ddtree:4"]["ms_per_step"] == pytest.approx(120.0)
+    assert rows["ddtree:4"]["stage_ms_per_step"] == pytest.approx(
+        dict(draft=20.0, tree_build=4.0, tree_compile=0.0, verify=90.0, commit=0.0))
+    table = step_costs(summarize([ar, tree], parse_methods("ddtree:4")))
+    # the draft as a share of ar's whole step, the verify against ar's verify, the rest of the step
+    assert "| d, 0 | ar | 1.0 | 1.00 | 100.00 | 0.00 | 90.00 | 10.00 |" in table
+    assert "| d, 0 | ddtree:4 | 1.0 | 2.00 | 120.00 | 20.00 (20%) | 90.00 (1.00x) | 10.00 |" in table
 
 
 def test_compare_runs_the_shared_runner_and_checks_against_ar():

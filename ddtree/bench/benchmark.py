@@ -548,6 +548,33 @@ def headline(rows: list[dict], env: dict) -> str:
     return "\n".join(lines)
 
 
+def step_costs(rows: list[dict]) -> str:
+    """Per target mode, what a decoding step costs, ms (medians over the repeats per record, summed over the
+    prompts, over the steps): the whole step, its draft pass against `ar`'s whole step, its verify pass against
+    `ar`'s, and the rest (tree build, compile, commit, the loop). Methods without stage timers (hf, llama.cpp)
+    are left out."""
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode and r.get("stage_ms_per_step", {}).get("verify")]
+        if not mine:
+            continue
+        lines += [f"**{mode}**", "", "| set, T | method | nodes/step | tau | step | draft (of ar's step) | "
+                  "verify (x ar's) | rest |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for dataset, temperature in dict.fromkeys((r["dataset"], r["temperature"]) for r in mine):
+            cell = [r for r in mine if r["dataset"] == dataset and r["temperature"] == temperature]
+            ar = next((r for r in cell if r["method"] == "ar"), None)
+            for r in cell:
+                stage = r["stage_ms_per_step"]
+                draft, verify = stage.get("draft", 0.0), stage["verify"]
+                share = f" ({100 * draft / ar['ms_per_step']:.0f}%)" if ar and ar["ms_per_step"] and draft else ""
+                times = f" ({verify / ar['stage_ms_per_step']['verify']:.2f}x)" if ar and r is not ar else ""
+                lines.append(f"| {dataset}, {temperature:g} | {r['method']} | {r.get('mean_nodes', 0.0):.1f} | "
+                             f"{r['tau']:.2f} | {r['ms_per_step']:.2f} | {draft:.2f}{share} | {verify:.2f}{times} | "
+                             f"{r['ms_per_step'] - draft - verify:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def readme_table(rows: list[dict], env: dict) -> str:
     """The README's table: every target mode side by side in one cell (end-to-end speedups, the first mode's tau),
     with the machine, date and commit it was measured on."""
@@ -611,7 +638,8 @@ def write_summaries(out: Path, rows: list[dict], env: dict) -> str:
           f"in the same target mode, end to end (the clock runs from before the prefill) and decode only (the "
           f"tokens after the first over the time after it, as the DDTree reference times); medians over the "
           f"repeats, their range in parentheses; tau = tokens per target verify pass; stage columns in ms per "
-          f"generated token.\n\n## Headline\n\n{headline(rows, env)}\n{flags}\n## All rows\n\n"
+          f"generated token.\n\n## Headline\n\n{headline(rows, env)}\n{flags}\n"
+          f"## A step's cost (ms a decoding step)\n\n{step_costs(rows)}\n## All rows\n\n"
           f"| {' | '.join(COLUMNS)} |\n|{'---|' * len(COLUMNS)}\n" +
           "".join(f"| {' | '.join(_cells(r))} |\n" for r in rows))
     (out / "summary.md").write_text(md)

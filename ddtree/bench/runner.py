@@ -176,6 +176,12 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
             flagged=flag_reason(_spread(speedups), ar_spread, load, repeats),
             stage_ms_per_token={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new)
                                 for st in STAGES},
+            # a decoding step's cost (one verify pass each; the prefill is not a step): each stage, and the whole
+            # step as the decode time over the steps (medians over the repeats per record)
+            stage_ms_per_step={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, steps)
+                               for st in STAGES if st != "prefill"},
+            ms_per_step=1000 * sum(max(0.0, r["seconds"] - r.get("time_to_first_token", 0.0)) for r in recs)
+            / max(1, steps),
             tie_flips=sum(r["check"] == "tie_flip" for r in recs),
             agreement=(sum(r["agreement"] for r in recs if "agreement" in r) / len(recs)
                        if any("agreement" in r for r in recs) else None),  # llamacpp: share of ar's tokens
