@@ -111,5 +111,6 @@ def main() -> None:
         print("  stage timers: " + ", ".join(f"{k} {1000 * v / n:.3f}" for k, v in stages[method].items()
                                              if k != "prefill"))
 
+
 if __name__ == "__main__":
     main()

@@ -162,6 +162,7 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
         decode_speedups = decodes if len(decodes) == repeats and decodes else None
         load = max((t["load"] for r in recs + ar_same for t in timings(r) if t.get("load") is not None), default=None)
         spread, ar_spread = _spread([r for r, _ in own]), _spread([a for a, _ in base]) if base else 0.0
+        stage_secs = {st: sum(r["stage_seconds"].get(st, 0.0) for r in recs) for st in STAGES}
         rows.append(dict(
             method=spec.label, budget=spec.budget, prompts=len(recs), new_tokens=new, repeats=repeats,
             seconds=sum(r["seconds"] for r in recs),
@@ -174,12 +175,10 @@ def summarize_methods(records: list[dict], specs: list[MethodSpec]) -> list[dict
             decode_speedup_range=[min(decode_speedups), max(decode_speedups)] if decode_speedups else None,
             spread=spread, ar_spread=ar_spread, load=load,
             flagged=flag_reason(_spread(speedups), ar_spread, load, repeats),
-            stage_ms_per_token={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, new)
-                                for st in STAGES},
+            stage_ms_per_token={st: 1000 * secs / max(1, new) for st, secs in stage_secs.items()},
             # a decoding step's cost (one verify pass each; the prefill is not a step): each stage, and the whole
             # step as the decode time over the steps (medians over the repeats per record)
-            stage_ms_per_step={st: 1000 * sum(r["stage_seconds"].get(st, 0.0) for r in recs) / max(1, steps)
-                               for st in STAGES if st != "prefill"},
+            stage_ms_per_step={st: 1000 * secs / max(1, steps) for st, secs in stage_secs.items() if st != "prefill"},
             ms_per_step=1000 * sum(max(0.0, r["seconds"] - r.get("time_to_first_token", 0.0)) for r in recs)
             / max(1, steps),
             tie_flips=sum(r["check"] == "tie_flip" for r in recs),

@@ -26,14 +26,15 @@ from .qlinear import BLOCK, SPAN_WORDS, QWeight, compile_extension
 
 # Builds of kernels/int8_linear.cpp as a module of its own, to compare instruction sets: avx2 (8 lanes, maddubs +
 # madd), avx512 (16 lanes, maddubs + madd), avx512vnni (16 lanes) and avxvnni (8) with one dpbusd per 4 products,
-# and vnni-emulated (the VNNI code paths with an exact emulation of dpbusd: tests them on AVX2 machines). All give
+# amx (avx512vnni's, with AMX-INT8 tile products for wide passes), and vnni-emulated (the VNNI code paths with an exact emulation of dpbusd: tests them on AVX2 machines). All give
 # the same bits: the integer sums are exact and the float operations are the same. Decoding uses the copy compiled
 # into the CPU extension (kernel()).
+_AVX512_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512bw"]
 ISA_FLAGS = {
     "avx2": [],
-    "avx512": ["-mavx512f", "-mavx512vl", "-mavx512bw"],
-    "avx512vnni": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni"],
-    "amx": ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512vnni", "-mamx-tile", "-mamx-int8"],
+    "avx512": _AVX512_FLAGS,
+    "avx512vnni": _AVX512_FLAGS + ["-mavx512vnni"],
+    "amx": _AVX512_FLAGS + ["-mavx512vnni", "-mamx-tile", "-mamx-int8"],
     "avxvnni": ["-mavxvnni"],
     "vnni-emulated": ["-DDDTREE_EMULATE_VNNI"],
 }
