@@ -109,6 +109,7 @@ inline VI srl16(VI a, int n) { return _mm512_srli_epi16(a, n); }
 inline VI sll16(VI a, int n) { return _mm512_slli_epi16(a, n); }
 inline VI sra16(VI a, int n) { return _mm512_srai_epi16(a, n); }
 inline VI sll32(VI a, int n) { return _mm512_slli_epi32(a, n); }
+inline VI sra32(VI a, int n) { return _mm512_srai_epi32(a, n); }
 inline VI add16(VI a, VI b) { return _mm512_add_epi16(a, b); }
 inline VI add32(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI sub32(VI a, VI b) { return _mm512_sub_epi32(a, b); }
@@ -142,6 +143,7 @@ inline VI srl16(VI a, int n) { return _mm256_srli_epi16(a, n); }
 inline VI sll16(VI a, int n) { return _mm256_slli_epi16(a, n); }
 inline VI sra16(VI a, int n) { return _mm256_srai_epi16(a, n); }
 inline VI sll32(VI a, int n) { return _mm256_slli_epi32(a, n); }
+inline VI sra32(VI a, int n) { return _mm256_srai_epi32(a, n); }
 inline VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
 inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
 inline VI sub32(VI a, VI b) { return _mm256_sub_epi32(a, b); }
@@ -168,6 +170,9 @@ inline VI dpbusd(VI acc, VI u, VI s) { return _mm256_dpbusd_avx_epi32(acc, u, s)
 // each block once), 8 with 16 ymm ones (some weight vectors spill: reloading them costs less than unpacking the
 // weights again for a second chunk of rows).
 constexpr int ROWS = L == 16 ? 16 : 8;
+// Q4_1 with dpbusd: passes of up to this many rows keep the high nibbles in place (Q4_1::prepare): 4 shifts fewer a
+// record against one more a row and record, which pays for narrow passes only (docs/cpu-speed.md)
+constexpr int HIGH16_ROWS = 4;
 
 #if DDTREE_VNNI && !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
 inline VI dpbusd(VI acc, VI u, VI s) {  // exact for every operand: u8 and s8 widened to int16, pairs by madd
@@ -245,7 +250,7 @@ struct Q4_1 {
   static constexpr bool HAS_M = true;
   static constexpr bool OFFSET = false;
   struct W {
-    VI u[8];  // dword j of the block for L outputs, u8 nibbles
+    VI u[8];  // dword j of the block for L outputs, u8 nibbles (dpbusd: j >= 4 as 16 x the nibble, see prepare)
     VF d, m;
   };
   // dword j of the block for L outputs (half h of the group), u8 nibbles
@@ -261,8 +266,21 @@ struct Q4_1 {
     d = half(rec + 256 + 2 * L * h);
     m = half(rec + 288 + 2 * L * h);
   }
+  // HIGH16 (dpbusd builds; rows_pass sets it for passes of up to HIGH16_ROWS rows): the high nibbles kept in place,
+  // as 16 x the nibble (v & 0xF0: no shift per record), and isum shifts 16 x their dot back once per row instead.
+  // dpbusd sums u8 x s8 into int32 without saturating, so that dot is exact; the same integers either way.
+  template <bool HIGH16>
   static inline void prepare(const uint8_t* rec, int h, W& w) {
-    split(rec, h, w.u);
+    if constexpr (HIGH16) {
+      const VI low = set8(0x0F), high = set8(static_cast<char>(0xF0));
+      for (int c = 0; c < 4; ++c) {
+        const VI v = loadi(rec + 64 * c + 4 * L * h);
+        w.u[c] = and_(v, low);
+        w.u[c + 4] = and_(v, high);
+      }
+    } else {
+      split(rec, h, w.u);
+    }
     scales(rec, h, w.d, w.m);
   }
 #if DDTREE_AMX
@@ -274,15 +292,18 @@ struct Q4_1 {
     for (int j = 0; j < 8; ++j) _mm512_store_si512(out + 64 * j, u[j]);
   }
 #endif
+  template <bool HIGH16>
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
-    VI a = dpbusd(zeroi(), w.u[0], bcast(x));  // two chains
-    VI b = dpbusd(zeroi(), w.u[1], bcast(x + 1));
-    for (int j = 2; j < 8; j += 2) {
+    // two chains: the low nibbles' dot and the high ones' (with HIGH16, 16 x that dot: |it| <= 16 * 16 * 15 * 128
+    // < 2^31 and a multiple of 16, so the arithmetic shift gives the dot exactly)
+    VI a = dpbusd(zeroi(), w.u[0], bcast(x));
+    VI b = dpbusd(zeroi(), w.u[4], bcast(x + 4));
+    for (int j = 1; j < 4; ++j) {
       a = dpbusd(a, w.u[j], bcast(x + j));
-      b = dpbusd(b, w.u[j + 1], bcast(x + j + 1));
+      b = dpbusd(b, w.u[j + 4], bcast(x + j + 4));
     }
-    return add32(a, b);
+    return add32(a, HIGH16 ? sra32(b, 4) : b);
 #else
     // maddubs pairs <= 2 * 15 * 127, summed 8 at a time in int16 (<= 30480 < 2^15), widened once
     VI s = maddubs(w.u[0], bcast(x));
@@ -306,6 +327,7 @@ struct Q8_0 {
 #endif
     VF d;
   };
+  template <bool>  // Q4_1's HIGH16: nothing to keep in place here
   static inline void prepare(const uint8_t* rec, int h, W& w) {
 #if DDTREE_VNNI
     VI sum = zeroi();
@@ -330,6 +352,7 @@ struct Q8_0 {
 #if DDTREE_AMX
   static constexpr bool UNPACK = false;  // a record's chunks are the B operand as they are
 #endif
+  template <bool>
   static inline VI isum(const W& w, const int32_t* x) {
 #if DDTREE_VNNI
     VI a = dpbusd(zeroi(), bcast(x), w.q[0]);  // (qx + 128) . q, two chains
@@ -382,16 +405,17 @@ inline void store_rows(const VF (&acc)[R], float* y, int64_t r0, int64_t N, int6
 template <class Q, int R>
 void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t r0, float* y, int64_t N,
                int64_t n0, Prefetch prefetch) {
+  constexpr bool HIGH16 = DDTREE_VNNI && R <= HIGH16_ROWS;
   VF acc[R];
   for (int i = 0; i < R; ++i) acc[i] = zerof();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* rec = group + b * Q::RECORD;
     prefetch_record<Q>(rec, prefetch);
     typename Q::W w;
-    Q::prepare(rec, h, w);
+    Q::template prepare<HIGH16>(rec, h, w);
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + i;
-      const VF isum = tofloat(Q::isum(w, x.dwords(r, b)));  // exact: |isum| < 2^24
+      const VF isum = tofloat(Q::template isum<HIGH16>(w, x.dwords(r, b)));  // exact: |isum| < 2^24
       VF term = mulf(mulf(w.d, bcastf(x.dx[r * KB + b])), isum);
       if constexpr (Q::HAS_M) term = addf(term, mulf(w.m, bcastf(x.sx[r * KB + b])));
       acc[i] = addf(acc[i], term);

@@ -216,6 +216,28 @@ def test_every_build_gives_the_same_bits(weights, isa, every_pass_on_tiles):
                 assert torch.equal(int8.linear_with(module, x, w), int8.int8_linear_reference(x, w)), (kind, n, m)
 
 
+@pytest.mark.slow  # as above: a build per instruction set
+@pytest.mark.parametrize("isa", _builds_here())
+def test_every_build_at_the_extreme_integers(isa, every_pass_on_tiles):
+    """Q4_1 nibbles of 15 (and a 0 per block) against activations of +-127 in every lane, the largest integer dots a
+    block can have (the dpbusd loops of narrow passes sum the high nibbles as 16 x the nibble): the reference's
+    bits in every build, at 1-5 rows and at 17."""
+    module = every_pass_on_tiles(int8.build(isa))
+    n, k = 35, 128
+    gen = torch.Generator().manual_seed(3)
+    w = torch.ones(n, k)
+    w[:, ::32] = -1.0  # one minimum per block: the others quantize to nibble 15
+    w[torch.rand(n, k, generator=gen) < 0.1] *= -1  # a few more 0 nibbles, for some variety between outputs
+    qw = QWeight.quantize(w, "Q4_1")
+    assert int(int8.weight_ints(qw).max()) == 15
+    for m in (1, 2, 3, 4, 5, 17):
+        x = torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+        x[0] = 1.0  # every dot of the first row at its largest
+        if m > 1:
+            x[1] = -1.0
+        assert torch.equal(int8.linear_with(module, x, qw), int8.int8_linear_reference(x, qw)), (isa, m)
+
+
 # decoding's kernel has the tile products where its AVX-512 build sees these flags (qlinear.build_kernel)
 AMX = (torch.backends.cpu.get_cpu_capability() == "AVX512"
        and {"avx512_vnni", "amx_tile", "amx_int8"} <= cpu_flags())
