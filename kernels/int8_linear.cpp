@@ -170,7 +170,7 @@ inline VI dpbusd(VI acc, VI u, VI s) { return _mm256_dpbusd_avx_epi32(acc, u, s)
 // each block once), 8 with 16 ymm ones (some weight vectors spill: reloading them costs less than unpacking the
 // weights again for a second chunk of rows).
 constexpr int ROWS = L == 16 ? 16 : 8;
-// Q4_1 with dpbusd: passes of up to this many rows keep the high nibbles in place (Q4_1::prepare): 4 shifts fewer a
+// Q4_1 with dpbusd: passes of up to this many rows keep the high nibbles in place (Q4_1::split): 4 shifts fewer a
 // record against one more a row and record, which pays for narrow passes only (docs/cpu-speed.md)
 constexpr int HIGH16_ROWS = 4;
 
@@ -250,37 +250,29 @@ struct Q4_1 {
   static constexpr bool HAS_M = true;
   static constexpr bool OFFSET = false;
   struct W {
-    VI u[8];  // dword j of the block for L outputs, u8 nibbles (dpbusd: j >= 4 as 16 x the nibble, see prepare)
+    VI u[8];  // dword j of the block for L outputs, u8 nibbles (HIGH16: j >= 4 as 16 x the nibble, see split)
     VF d, m;
   };
-  // dword j of the block for L outputs (half h of the group), u8 nibbles
+  // dword j of the block for L outputs (half h of the group), u8 nibbles. HIGH16 (dpbusd builds; rows_pass sets it
+  // for passes of up to HIGH16_ROWS rows): dwords 4..7 keep the high nibbles in place, as 16 x the nibble (v & 0xF0,
+  // no shift per record), and isum shifts 16 x their dot back once per row instead. dpbusd sums u8 x s8 into int32
+  // without saturating, so that dot is exact; the same integers either way.
+  template <bool HIGH16 = false>
   static inline void split(const uint8_t* rec, int h, VI (&u)[8]) {
-    const VI low = set8(0x0F);
+    const VI low = set8(0x0F), high = set8(static_cast<char>(0xF0));
     for (int c = 0; c < 4; ++c) {
       const VI v = loadi(rec + 64 * c + 4 * L * h);
-      u[c] = and_(v, low);                // weights 4c .. 4c + 3: dword c
-      u[c + 4] = and_(srl16(v, 4), low);  // weights 16 + 4c ..: dword c + 4
+      u[c] = and_(v, low);                                        // weights 4c .. 4c + 3: dword c
+      u[c + 4] = HIGH16 ? and_(v, high) : and_(srl16(v, 4), low);  // weights 16 + 4c ..: dword c + 4
     }
   }
   static inline void scales(const uint8_t* rec, int h, VF& d, VF& m) {
     d = half(rec + 256 + 2 * L * h);
     m = half(rec + 288 + 2 * L * h);
   }
-  // HIGH16 (dpbusd builds; rows_pass sets it for passes of up to HIGH16_ROWS rows): the high nibbles kept in place,
-  // as 16 x the nibble (v & 0xF0: no shift per record), and isum shifts 16 x their dot back once per row instead.
-  // dpbusd sums u8 x s8 into int32 without saturating, so that dot is exact; the same integers either way.
   template <bool HIGH16>
   static inline void prepare(const uint8_t* rec, int h, W& w) {
-    if constexpr (HIGH16) {
-      const VI low = set8(0x0F), high = set8(static_cast<char>(0xF0));
-      for (int c = 0; c < 4; ++c) {
-        const VI v = loadi(rec + 64 * c + 4 * L * h);
-        w.u[c] = and_(v, low);
-        w.u[c + 4] = and_(v, high);
-      }
-    } else {
-      split(rec, h, w.u);
-    }
+    split<HIGH16>(rec, h, w.u);
     scales(rec, h, w.d, w.m);
   }
 #if DDTREE_AMX
