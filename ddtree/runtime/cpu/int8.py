@@ -26,9 +26,9 @@ from .qlinear import BLOCK, SPAN_WORDS, QWeight, compile_extension
 
 # Builds of kernels/int8_linear.cpp as a module of its own, to compare instruction sets: avx2 (8 lanes, maddubs +
 # madd), avx512 (16 lanes, maddubs + madd), avx512vnni (16 lanes) and avxvnni (8) with one dpbusd per 4 products,
-# amx (avx512vnni's, with AMX-INT8 tile products for wide passes), and vnni-emulated (the VNNI code paths with an exact emulation of dpbusd: tests them on AVX2 machines). All give
-# the same bits: the integer sums are exact and the float operations are the same. Decoding uses the copy compiled
-# into the CPU extension (kernel()).
+# amx (avx512vnni's, with AMX-INT8 tile products for wide passes), and vnni-emulated (the VNNI code paths with an
+# exact emulation of dpbusd: tests them on AVX2 machines). All give the same bits: the integer sums are exact and
+# the float operations are the same. Decoding uses the copy compiled into the CPU extension (kernel()).
 _AVX512_FLAGS = ["-mavx512f", "-mavx512vl", "-mavx512bw"]
 ISA_FLAGS = {
     "avx2": [],
