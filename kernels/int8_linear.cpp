@@ -363,16 +363,18 @@ struct Q8_0 {
   }
 };
 
-// The record PREFETCH_BYTES ahead of rec, as `prefetch` says (never faults: past the end is harmless)
+// The record PREFETCH_BYTES ahead of rec, as `prefetch` says (never faults: past the end is harmless). The
+// instructions are asm statements: GCC 12 merges two _mm_prefetch calls of different hints into one whose hint is
+// no longer a constant, and then emits no prefetch at all.
 template <class Q>
 inline void prefetch_record(const uint8_t* rec, Prefetch prefetch) {
   if (prefetch == Prefetch::none) return;
   for (int64_t line = 0; line < Q::RECORD; line += 64) {
     const char* ahead = reinterpret_cast<const char*>(rec) + PREFETCH_BYTES + line;
     if (prefetch == Prefetch::stream)
-      _mm_prefetch(ahead, _MM_HINT_NTA);
+      __asm__ volatile("prefetchnta %0" : : "m"(*ahead));
     else
-      _mm_prefetch(ahead, _MM_HINT_T0);
+      __asm__ volatile("prefetcht0 %0" : : "m"(*ahead));
   }
 }
 
@@ -405,6 +407,9 @@ void rows_pass(const uint8_t* group, int64_t KB, int h, const XRows& x, int64_t 
     prefetch_record<Q>(rec, prefetch);
     typename Q::W w;
     Q::template prepare<HIGH16>(rec, h, w);
+    // unrolled whatever R: left rolled (GCC does so from 9 rows), the rows' accumulators live in memory and two
+    // blocks' weights are interleaved, more than the registers hold
+#pragma GCC unroll 16
     for (int i = 0; i < R; ++i) {
       const int64_t r = r0 + i;
       const VF isum = tofloat(Q::template isum<HIGH16>(w, x.dwords(r, b)));  // exact: |isum| < 2^24

@@ -3,13 +3,16 @@ the plain-torch reference bit for bit, a row's result does not depend on the oth
 result is close to the float product."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.runtime.cpu import int8
+from ddtree.base.cache import cache_root
+from ddtree.runtime.cpu import int8, qlinear
 from ddtree.runtime.cpu.qlinear import QWeight, cpu_flags
 
 # SmolLM2-135M's projections (N, K): qkv fused, o, gate/up fused, down; and odd N
@@ -158,6 +161,30 @@ def test_a_streamed_weight_gives_the_same_bits(weights, kind):
     assert streamed.rows(0, 64).stream and QWeight.cat([streamed, streamed]).stream
     with pytest.raises(ValueError, match="cannot fuse"):
         QWeight.cat([streamed, w])
+
+
+def int8_instructions(module) -> set[str]:
+    """The mnemonics of the int8 kernel's functions in a built extension (objdump of its library)."""
+    library = next((cache_root() / "kernels" / module.ddtree_build).glob("*.so"))
+    text = subprocess.run([shutil.which("objdump"), "-d", "-C", "--no-show-raw-insn", str(library)],
+                          capture_output=True, text=True, check=True).stdout
+    mnemonics, inside = set(), False
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            inside = "ddtree_int8::" in line
+        elif inside and "\t" in line:
+            mnemonics.add(line.split("\t")[1].split()[0])
+    return mnemonics
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+@pytest.mark.parametrize("build", ["decoding's", "avx2"])
+def test_the_weight_prefetches_are_in_the_machine_code(build):
+    """prefetch_record's two hints reach the machine code (GCC 12 dropped both _mm_prefetch calls, merged into one
+    with a hint that is not a constant): a dropped prefetch changes no bit, only the time, so only the
+    disassembly shows it."""
+    module = qlinear.kernel() if build == "decoding's" else int8.build("avx2")
+    assert {"prefetcht0", "prefetchnta"} <= int8_instructions(module)
 
 
 # --- (d) close to the float product -----------------------------------------------------------------------------
