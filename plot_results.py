@@ -33,7 +33,7 @@ matplotlib.use("Agg")  # files only: no display needed (servers, CI)
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ddtree.engine import traces as tr  # noqa: E402
-from ddtree.bench.benchmark import load_records, record_mode, summarize  # noqa: E402
+from ddtree.bench.benchmark import load_records, load_traces, record_mode, summarize  # noqa: E402
 from ddtree.base.config import ConfigError  # noqa: E402
 from ddtree.base.files import output_dir  # noqa: E402
 from ddtree.engine.method_spec import REFERENCE, MethodSpec  # noqa: E402
@@ -221,22 +221,13 @@ def stage_bars(rows, cells, title: str):
 
 
 def read_traces(results: Path, keys: set[str]) -> dict[tuple[str, float], list[dict]]:
-    """The drafted steps (trees with draft nodes) of the plotted runs, by (method, temperature); a step traced
-    twice (an interrupted run, resumed) counts once."""
-    path = results / "traces.jsonl"
-    if not path.is_file():
-        return {}
-    steps = {}
-    for line in path.read_text().splitlines():
-        try:
-            step = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash
-        if step.get("key") in keys and len(step.get("parents", ())) > 1:
-            steps[(step["key"], step["step"])] = step
+    """The drafted steps (trees with draft nodes) of the plotted runs, by (method, temperature): each record's own
+    run's steps (load_traces)."""
     by = {}
-    for step in steps.values():
-        by.setdefault((step["method"], step["temperature"]), []).append(step)
+    for key, steps in load_traces(results).items():
+        for step in steps:
+            if key in keys and len(step.get("parents", ())) > 1:
+                by.setdefault((step["method"], step["temperature"]), []).append(step)
     return by
 
 

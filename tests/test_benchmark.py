@@ -29,6 +29,13 @@ def records(out: Path) -> list[dict]:
     return list(load_records(out).values())
 
 
+def traces_of(out: Path) -> dict[str, list[dict]]:
+    """The folder's traces by key: each record's own run's steps."""
+    from ddtree.bench.benchmark import load_traces
+
+    return load_traces(out)
+
+
 @pytest.fixture(scope="module")
 def tiny_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
@@ -120,11 +127,11 @@ def test_hf_baseline_adaptive_budget_and_traces(tmp_path):
     auto = by[("ddtree:auto", 0)]
     assert auto["check"] in ("identical", "tie_flip") and auto["budget"] == "auto"
     assert len(auto["tree_sizes"]) == auto["steps"] and 1 <= max(auto["tree_sizes"]) <= 257
-    steps = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    traces = traces_of(tmp_path)
     for r in recs:
         if r["method"] == "hf":
             continue
-        mine = [s for s in steps if s["key"] == r["key"]]
+        mine = traces[r["key"]]
         assert len(mine) == r["steps"] and [len(s["accepted"]) for s in mine] == r["acceptance_lengths"], r["method"]
         assert all(len(s["tokens"]) == len(s["parents"]) == len(s["draft_logprobs"]) for s in mine)
     proc = run(sys.executable, "plot_results.py", "--results", str(tmp_path))
@@ -193,8 +200,12 @@ def test_runs_on_a_busy_machine_are_timed_again_once_then_flagged(in_process, tm
     assert in_process.main(TINY_ONE + ["--traces", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "other processes keep 1.0 cores busy" in err and "timing 1 prompt group(s) again" in err
-    traced = (tmp_path / "traces.jsonl").read_text().splitlines()  # each step once, whatever was timed again
-    assert len(traced) == sum(r["steps"] for r in records(tmp_path))
+    # each attempt writes its trees; a record's are its latest attempt's (an adaptive budget's trees can differ)
+    traced = [json.loads(line) for line in (tmp_path / "traces.jsonl").read_text().splitlines()]
+    assert sorted({s["attempt"] for s in traced}) == [1, 2]
+    latest = traces_of(tmp_path)
+    assert all(s["attempt"] == 2 for steps in latest.values() for s in steps)
+    assert {r["key"]: r["steps"] for r in records(tmp_path)} == {key: len(steps) for key, steps in latest.items()}
     lines = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]  # one per run
     assert sorted((r["method"], r["attempt"], r["repeat"]) for r in lines) == [
         (method, attempt, repeat) for method in ("ar", "ddtree:2") for attempt in (1, 2) for repeat in (0, 1)]

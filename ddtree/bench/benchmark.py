@@ -21,7 +21,8 @@ Summaries: OUT/summary.md, summary.tex, summary.json; OUT/last_run.json names th
 that fails part way writes them too, of the records it finished). Every prompt is checked against the target's
 context when the plan is made, before any decoding (an error names its file and line, or dataset and index).
 With --traces, OUT/traces.jsonl gets one line per decoding step (the tree, the target's choices, the accepted
-path: traces.py), keyed like the records; plot_results.py draws acceptance by depth and sibling rank from it.
+path: traces.py), keyed like the records, of each attempt's first repeat (load_traces: a record's own run);
+plot_results.py draws acceptance by depth and sibling rank from it.
 
 (`--inject-mismatch`, hidden from --help, is a self-test of the checker: it corrupts one token of the first
 ddtree output before checking it, so the tests can prove that a mismatch is caught and fails the run.)
@@ -286,13 +287,35 @@ def load_records(out: Path) -> dict[str, dict]:
     return {key: merged_record(attempts) for key, attempts in load_runs(out).items()}
 
 
+def load_traces(out: Path) -> dict[str, list[dict]]:
+    """OUT/traces.jsonl by key: the steps of the run its record takes its counts from (its latest attempt's repeat
+    0), in order. A prompt timed again writes its trees again, as an adaptive budget's trees follow the timings;
+    a resumed run may write a step twice (the last line kept); a line cut short by a crash is skipped."""
+    path = out / "traces.jsonl"
+    if not path.is_file():
+        return {}
+    by_key: dict[str, dict[tuple[int, int], dict]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        by_key.setdefault(step["key"], {})[(step.get("attempt", 1), step["step"])] = step
+    latest = {}
+    for key, steps in by_key.items():
+        attempt = max(a for a, _ in steps)
+        latest[key] = [steps[k] for k in sorted(steps) if k[0] == attempt]
+    return latest
+
+
 def run_group(pair, group, args, env, sinks, progress, inject: list, peers, meter: LoadMeter, attempt: int,
               repeat: int) -> list[dict]:
     """Decode one prompt once with every method (runner.run_prompt: ar first, greedy outputs checked against
     its), each run with the machine's load while it ran, and append one line per run to the sinks. With --traces
-    every run records its trace (so every repeat is timed alike) and the first attempt's repeat 0 writes it: the
-    trees are the same in every run. The repeats of a prompt are passes over the whole plan, so a slow minute of
-    the machine meets one repeat of a prompt, not all."""
+    every run records its trace (so every repeat is timed alike) and each attempt's repeat 0 writes it, the run
+    whose counts its record keeps (an adaptive budget's trees follow the timings: they can differ between runs;
+    load_traces reads the latest attempt's). The repeats of a prompt are passes over the whole plan, so a slow
+    minute of the machine meets one repeat of a prompt, not all."""
     settings = RunSettings(args.max_new_tokens, group["temperature"], args.top_p, args.top_k, args.block_size,
                            trace=args.traces, stop=group["stop"])
     fields = dict(mode=group["mode"], dataset=group["dataset"], temperature=group["temperature"],
@@ -315,9 +338,9 @@ def run_group(pair, group, args, env, sinks, progress, inject: list, peers, mete
         if rec["check"] == "error":
             shout_error(rec)
         trace = rec.pop("trace", None) or []  # never in the record itself
-        for i, step in enumerate(trace if (attempt, repeat) == (1, 0) else ()):
-            sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, **fields, **step))
-                                  + "\n")
+        for i, step in enumerate(trace if repeat == 0 else ()):
+            sinks["traces"].write(json.dumps(dict(key=rec["key"], method=rec["method"], step=i, attempt=attempt,
+                                                  **fields, **step)) + "\n")
         sinks["records"].write(json.dumps(rec) + "\n")
         sinks["records"].flush()
         progress.set_postfix_str(f"{group['dataset']} T={group['temperature']:g} #{group['prompt_index']} "
