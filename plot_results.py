@@ -225,8 +225,8 @@ def read_traces(results: Path, keys: set[str]) -> dict[tuple[str, float], list[d
     run's steps (load_traces)."""
     by = {}
     for key, steps in load_traces(results).items():
-        for step in steps:
-            if key in keys and len(step.get("parents", ())) > 1:
+        for step in steps if key in keys else ():
+            if len(step.get("parents", ())) > 1:
                 by.setdefault((step["method"], step["temperature"]), []).append(step)
     return by
 

@@ -40,7 +40,7 @@ import traceback
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -258,18 +258,29 @@ def build_plan(args, pair, specs, mode: str = "float") -> list[dict]:
     return groups
 
 
+def _json_objects(path: Path) -> Iterator[dict]:
+    """The JSON objects of a JSON-lines file (records, traces), one per line; a line cut short by a crash, which is
+    no JSON object, is skipped."""
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            yield row
+
+
 def load_runs(out: Path) -> dict[str, dict[int, dict[int, dict]]]:
     """Every timed run in OUT (records.jsonl and rank shards): key -> attempt -> repeat -> the run's line (a later
     line wins); torn lines are skipped. A line without a repeat index (a record written before runs were stored
     one by one) counts as a finished attempt of its own."""
     runs: dict[str, dict[int, dict[int, dict]]] = {}
     for path in sorted(out.glob("records*.jsonl")):
-        for line in path.read_text().splitlines():
+        for rec in _json_objects(path):
             try:
-                rec = json.loads(line)
                 runs.setdefault(rec["key"], {}).setdefault(rec.get("attempt", 1), {})[rec.get("repeat", 0)] = rec
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-                continue  # a line cut short by a crash
+            except (KeyError, TypeError):
+                continue  # no key, or an attempt or repeat that is no index: not a whole line
     return runs
 
 
@@ -295,12 +306,11 @@ def load_traces(out: Path) -> dict[str, list[dict]]:
     if not path.is_file():
         return {}
     by_key: dict[str, dict[tuple[int, int], dict]] = {}
-    for line in path.read_text().splitlines():
+    for step in _json_objects(path):
         try:
-            step = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        by_key.setdefault(step["key"], {})[(step.get("attempt", 1), step["step"])] = step
+            by_key.setdefault(step["key"], {})[(step.get("attempt", 1), step["step"])] = step
+        except (KeyError, TypeError):
+            continue  # not a whole line
     latest = {}
     for key, steps in by_key.items():
         attempt = max(a for a, _ in steps)
