@@ -493,7 +493,8 @@ class Stack {
 
   // Attention of the N new rows, per KV head: its queries are (query head of its group, row) pairs, all reading
   // the same K and V. They walk the keys in blocks of KEY_BLOCK, so a block is read from L2/L3 once and serves
-  // every query of the task from L1, instead of once per query.
+  // every query of the task from L1, instead of once per query; within a block the queries go two at a time
+  // (score_block2, weigh_values2: each key and value chunk loaded and widened once for both).
   // Each (query, key) score and each output column keep their order of sums (a score: dot()'s over D, then
   // hsum(); a column: the keys in order, the running sum parked in `out` between blocks, which rounds nothing),
   // so a row's result does not depend on N or on which queries share its task.
@@ -538,10 +539,8 @@ class Stack {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
           if (count <= PREFETCH_QUERIES) prefetch_rows(K, b + PREFETCH_BLOCKS * KEY_BLOCK, keys);
           int64_t t = 0;
-#ifdef __AVX512F__
           for (; t + 2 <= count; t += 2)
             score_block2(query(t), query(t + 1), K, b, e, scores.data() + t * padded, scores.data() + (t + 1) * padded);
-#endif
           for (; t < count; ++t) score_block(query(t), K, b, e, scores.data() + t * padded);
         }
         for (int64_t t = 0; t < count; ++t) {
@@ -552,11 +551,9 @@ class Stack {
           const int64_t e = std::min(keys, b + KEY_BLOCK);
           if (count <= PREFETCH_QUERIES) prefetch_rows(V, b + PREFETCH_BLOCKS * KEY_BLOCK, keys);
           int64_t t = 0;
-#ifdef __AVX512F__
           for (; t + 2 <= count; t += 2)
             weigh_values2(scores.data() + t * padded, scores.data() + (t + 1) * padded, V, b, e, past, output(t),
                           output(t + 1));
-#endif
           for (; t < count; ++t) weigh_values(scores.data() + t * padded, V, b, e, past, output(t));
         }
         for (int64_t t = 0; t < count; ++t) {
@@ -680,6 +677,90 @@ class Stack {
     for (int c = 0; c < C; ++c) {
       _mm512_storeu_ps(oa + 16 * c, A[c]);
       _mm512_storeu_ps(ob + 16 * c, B[c]);
+    }
+  }
+#else
+  // score_block for two queries at once (the AVX2 build): four keys a tile, each key chunk loaded (and widened
+  // from fp16) once for both queries, 8 accumulators in 16 ymm registers. Every (query, key) runs score_block's
+  // chain of FMAs over D and hsum8 sums each accumulator as hsum() does: the scores equal score_block's bit for bit.
+  template <class T>
+  void score_block2(const float* qa, const float* qb, const T* K, int64_t b, int64_t e, float* sa,
+                    float* sb) const {
+    const float scale = 1.f / std::sqrt(float(D));
+    int64_t j = b;
+    for (; j + 4 <= e; j += 4) {
+      __m256 acc[8];  // [query a's keys j .. j + 3 | query b's]
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      const T* k0 = K + j * D;
+      for (int64_t c = 0; c < D; c += 8) {
+        const __m256 qav = _mm256_loadu_ps(qa + c), qbv = _mm256_loadu_ps(qb + c);
+        for (int t = 0; t < 4; ++t) {
+          const __m256 kv = load8(k0 + t * D + c);
+          acc[t] = _mm256_fmadd_ps(qav, kv, acc[t]);
+          acc[4 + t] = _mm256_fmadd_ps(qbv, kv, acc[4 + t]);
+        }
+      }
+      const __m256 sums = _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale));
+      _mm_storeu_ps(sa + j, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(sb + j, _mm256_extractf128_ps(sums, 1));
+    }
+    for (; j < e; ++j) {
+      sa[j] = dot(qa, K + j * D, D) * scale;
+      sb[j] = dot(qb, K + j * D, D) * scale;
+    }
+  }
+
+  // weigh_values for two queries at once (the AVX2 build): 32 columns a call, each value row chunk loaded once for
+  // both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
+  template <class T>
+  void weigh_values2(const float* wa, const float* wb, const T* V, int64_t b, int64_t e, int64_t past,
+                     float* oa, float* ob) const {
+    int64_t c0 = 0;
+    for (; c0 + 32 <= D; c0 += 32) weigh_columns2<4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
+    switch ((D - c0) / 8) {  // D % 8 == 0
+      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      default: break;
+    }
+  }
+
+  template <int C, class T>
+  static void weigh_columns2(const float* wa, const float* wb, const T* V, int64_t D, int64_t b, int64_t e,
+                             int64_t past, float* oa, float* ob) {
+    __m256 A[C], B[C];
+    for (int c = 0; c < C; ++c) {
+      A[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(oa + 8 * c);
+      B[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ob + 8 * c);
+    }
+    auto add = [&](__m256 (&acc)[C], float w, const T* v) {  // acc += w v, 8 columns a vector
+      const __m256 wv = _mm256_set1_ps(w);
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), acc[c]);
+    };
+    auto add_both = [&](float x, float y, const T* v) {  // each value vector loaded once for both queries
+      const __m256 xv = _mm256_set1_ps(x), yv = _mm256_set1_ps(y);
+      for (int c = 0; c < C; ++c) {
+        const __m256 vv = load8(v + 8 * c);
+        A[c] = _mm256_fmadd_ps(xv, vv, A[c]);
+        B[c] = _mm256_fmadd_ps(yv, vv, B[c]);
+      }
+    };
+    int64_t j = b;
+    for (const int64_t end = std::min(e, past); j < end; ++j)  // past keys: never masked, no weight is 0
+      add_both(wa[j], wb[j], V + j * D);
+    for (; j < e; ++j) {
+      const float x = wa[j], y = wb[j];
+      if (x != 0.f && y != 0.f) {
+        add_both(x, y, V + j * D);
+      } else if (x != 0.f) {
+        add(A, x, V + j * D);
+      } else if (y != 0.f) {
+        add(B, y, V + j * D);
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      _mm256_storeu_ps(oa + 8 * c, A[c]);
+      _mm256_storeu_ps(ob + 8 * c, B[c]);
     }
   }
 #endif
