@@ -84,6 +84,33 @@ inline __m512 load16(const c10::Half* p) {
 }
 #endif
 
+// The float vector of a build's two-query value sums (Stack::weigh_columns2): W lanes, and what it needs of them.
+struct Ymm {
+  using Vec = __m256;
+  static constexpr int64_t W = 8;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  template <class T>
+  static Vec load(const T* p) { return load8(p); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+};
+#ifdef __AVX512F__
+struct Zmm {
+  using Vec = __m512;
+  static constexpr int64_t W = 16;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  template <class T>
+  static Vec load(const T* p) { return load16(p); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+};
+using PairLanes = Zmm;
+#else
+using PairLanes = Ymm;
+#endif
+
 // One row of d values (d % 8 == 0) into the cache: copied, or rounded to the nearest fp16 (ties to even; torch's
 // .half()).
 inline void put_row(const float* x, float* out, int64_t d) { std::copy(x, x + d, out); }
@@ -620,65 +647,6 @@ class Stack {
       sb[j] = dot(qb, K + j * D, D) * scale;
     }
   }
-
-  // weigh_values for two queries at once (the AVX-512 build): 16 columns a vector, each value row loaded once
-  // for both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
-  template <class T>
-  void weigh_values2(const float* wa, const float* wb, const T* V, int64_t b, int64_t e, int64_t past,
-                     float* oa, float* ob) const {
-    int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64) weigh_columns2<4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
-    switch ((D - c0) / 16) {
-      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
-      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
-      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
-      default: break;
-    }
-    c0 += (D - c0) / 16 * 16;
-    if (c0 < D) {  // D % 16 == 8: the last 8 columns, one query at a time
-      weigh_columns<1>(wa, V + c0, D, b, e, past, oa + c0);
-      weigh_columns<1>(wb, V + c0, D, b, e, past, ob + c0);
-    }
-  }
-
-  template <int C, class T>
-  static void weigh_columns2(const float* wa, const float* wb, const T* V, int64_t D, int64_t b, int64_t e,
-                             int64_t past, float* oa, float* ob) {
-    __m512 A[C], B[C];
-    for (int c = 0; c < C; ++c) {
-      A[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(oa + 16 * c);
-      B[c] = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(ob + 16 * c);
-    }
-    auto add = [&](__m512 (&acc)[C], float w, const T* v) {  // acc += w v, 16 columns a vector
-      const __m512 wv = _mm512_set1_ps(w);
-      for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(wv, load16(v + 16 * c), acc[c]);
-    };
-    auto add_both = [&](float x, float y, const T* v) {  // each value vector loaded once for both queries
-      const __m512 xv = _mm512_set1_ps(x), yv = _mm512_set1_ps(y);
-      for (int c = 0; c < C; ++c) {
-        const __m512 vv = load16(v + 16 * c);
-        A[c] = _mm512_fmadd_ps(xv, vv, A[c]);
-        B[c] = _mm512_fmadd_ps(yv, vv, B[c]);
-      }
-    };
-    int64_t j = b;
-    for (const int64_t end = std::min(e, past); j < end; ++j)  // past keys: never masked, no weight is 0
-      add_both(wa[j], wb[j], V + j * D);
-    for (; j < e; ++j) {
-      const float x = wa[j], y = wb[j];
-      if (x != 0.f && y != 0.f) {
-        add_both(x, y, V + j * D);
-      } else if (x != 0.f) {
-        add(A, x, V + j * D);
-      } else if (y != 0.f) {
-        add(B, y, V + j * D);
-      }
-    }
-    for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(oa + 16 * c, A[c]);
-      _mm512_storeu_ps(ob + 16 * c, B[c]);
-    }
-  }
 #else
   // score_block for two queries at once (the AVX2 build): four keys a tile, each key chunk loaded (and widened
   // from fp16) once for both queries, 8 accumulators in 16 ymm registers. Every (query, key) runs score_block's
@@ -709,40 +677,50 @@ class Stack {
       sb[j] = dot(qb, K + j * D, D) * scale;
     }
   }
+#endif
 
-  // weigh_values for two queries at once (the AVX2 build): 32 columns a call, each value row chunk loaded once for
-  // both. Each column still sums its keys in order and skips a query's keys of weight 0: the same bits.
+  // weigh_values for two queries at once: PairLanes::W columns a vector (PairLanes: 16 in the AVX-512 build, 8 in the
+  // AVX2 one), each value row chunk loaded once for both. Each column still sums its keys in order and skips a
+  // query's keys of weight 0: the same bits.
   template <class T>
   void weigh_values2(const float* wa, const float* wb, const T* V, int64_t b, int64_t e, int64_t past,
                      float* oa, float* ob) const {
+    using L = PairLanes;
     int64_t c0 = 0;
-    for (; c0 + 32 <= D; c0 += 32) weigh_columns2<4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
-    switch ((D - c0) / 8) {  // D % 8 == 0
-      case 1: weigh_columns2<1>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
-      case 2: weigh_columns2<2>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
-      case 3: weigh_columns2<3>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+    for (; c0 + 4 * L::W <= D; c0 += 4 * L::W)
+      weigh_columns2<L, 4>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0);
+    switch ((D - c0) / L::W) {
+      case 1: weigh_columns2<L, 1>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 2: weigh_columns2<L, 2>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
+      case 3: weigh_columns2<L, 3>(wa, wb, V + c0, D, b, e, past, oa + c0, ob + c0); break;
       default: break;
+    }
+    c0 += (D - c0) / L::W * L::W;
+    if (c0 < D) {  // D % 16 == 8 in the AVX-512 build: the last 8 columns, one query at a time
+      weigh_columns<1>(wa, V + c0, D, b, e, past, oa + c0);
+      weigh_columns<1>(wb, V + c0, D, b, e, past, ob + c0);
     }
   }
 
-  template <int C, class T>
+  template <class L, int C, class T>
   static void weigh_columns2(const float* wa, const float* wb, const T* V, int64_t D, int64_t b, int64_t e,
                              int64_t past, float* oa, float* ob) {
-    __m256 A[C], B[C];
+    using Vec = typename L::Vec;
+    Vec A[C], B[C];
     for (int c = 0; c < C; ++c) {
-      A[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(oa + 8 * c);
-      B[c] = b == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ob + 8 * c);
+      A[c] = b == 0 ? L::zero() : L::load(oa + L::W * c);
+      B[c] = b == 0 ? L::zero() : L::load(ob + L::W * c);
     }
-    auto add = [&](__m256 (&acc)[C], float w, const T* v) {  // acc += w v, 8 columns a vector
-      const __m256 wv = _mm256_set1_ps(w);
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(wv, load8(v + 8 * c), acc[c]);
+    auto add = [&](Vec (&acc)[C], float w, const T* v) {  // acc += w v, W columns a vector
+      const Vec wv = L::set1(w);
+      for (int c = 0; c < C; ++c) acc[c] = L::fma(wv, L::load(v + L::W * c), acc[c]);
     };
     auto add_both = [&](float x, float y, const T* v) {  // each value vector loaded once for both queries
-      const __m256 xv = _mm256_set1_ps(x), yv = _mm256_set1_ps(y);
+      const Vec xv = L::set1(x), yv = L::set1(y);
       for (int c = 0; c < C; ++c) {
-        const __m256 vv = load8(v + 8 * c);
-        A[c] = _mm256_fmadd_ps(xv, vv, A[c]);
-        B[c] = _mm256_fmadd_ps(yv, vv, B[c]);
+        const Vec vv = L::load(v + L::W * c);
+        A[c] = L::fma(xv, vv, A[c]);
+        B[c] = L::fma(yv, vv, B[c]);
       }
     };
     int64_t j = b;
@@ -759,11 +737,10 @@ class Stack {
       }
     }
     for (int c = 0; c < C; ++c) {
-      _mm256_storeu_ps(oa + 8 * c, A[c]);
-      _mm256_storeu_ps(ob + 8 * c, B[c]);
+      L::store(oa + L::W * c, A[c]);
+      L::store(ob + L::W * c, B[c]);
     }
   }
-#endif
 
   // Scores -> exp(s - max) in place over the visible keys (0 elsewhere); returns their sum. vis: the row's
   // ancestors among the new rows, or null (all visible). The sum takes the visible keys in order, the k-th one in
