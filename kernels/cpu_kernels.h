@@ -34,5 +34,16 @@ namespace ddtree_int8 {
 // stream: the weight is prefetched non-temporally (one that cannot stay cached between passes)
 torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream);  // packed by pack_q4_1
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream);  // packed by pack_q8_0
+// A packed weight's records and shape, checked once (packed_weight), for products into a caller's buffers without
+// the entry points' per-call checks and allocations (the decoder stack's ~120 products a pass). The tensor must
+// outlive it.
+struct PackedWeight {
+  const uint8_t* records = nullptr;
+  int64_t groups = 0, k = 0, n = 0;  // groups of 16 outputs, inputs, outputs
+  bool q4_1 = true;                  // else Q8_0
+};
+PackedWeight packed_weight(const torch::Tensor& packed, int64_t n, bool q4_1);
+// y [M, n] = x [M, k] @ W^T, x and y contiguous float32 (the same bits as q4_1_linear / q8_0_linear)
+void linear_into(const PackedWeight& w, const float* x, int64_t M, float* y, bool stream);
 void bind(pybind11::module& mod, const std::string& prefix);
 }  // namespace ddtree_int8

@@ -159,6 +159,22 @@ struct Linear {
   // result has the same bits at a sixth (Q4_1) of the bytes; wider passes are compute-bound and stay float.
   std::shared_ptr<const Linear> blocks;
   int64_t blocks_rows = 0;
+  ddtree_int8::PackedWeight packed;  // Q4_1_I8, Q8_0_I8: `a`'s records, checked once (add_linear)
+
+  // The product into `out`, which keeps its storage from call to call where it is already [M, n] (the stack's
+  // buffers, reused by every layer): the int8 kinds write it in place, without an allocation or the entry point's
+  // checks (x is the stack's own contiguous float32 buffer); the other kinds assign their result.
+  void into(const torch::Tensor& x, torch::Tensor& out) const {
+    const int64_t M = x.size(0);
+    if (blocks && M <= blocks_rows) return blocks->into(x, out);
+    if (packed.records == nullptr || bias.defined()) {
+      out = (*this)(x);
+      return;
+    }
+    TORCH_CHECK(x.size(1) == packed.k, "a product's input has ", x.size(1), " columns; its weight has ", packed.k);
+    if (!out.defined() || out.size(0) != M || out.size(1) != n) out = torch::empty({M, n}, x.options());
+    ddtree_int8::linear_into(packed, x.data_ptr<float>(), M, out.data_ptr<float>(), stream);
+  }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (blocks && x.size(0) <= blocks_rows) return (*blocks)(x);
@@ -209,6 +225,8 @@ class Stack {
     l.stream = stream;
     if (b) l.b = *b;
     if (bias) l.bias = *bias;
+    if (l.kind == Linear::Q4_1_I8 || l.kind == Linear::Q8_0_I8)
+      l.packed = ddtree_int8::packed_weight(l.a, n, l.kind == Linear::Q4_1_I8);
     linears.push_back(l);
     return int64_t(linears.size()) - 1;
   }
@@ -269,6 +287,8 @@ class Stack {
     sin = sin.contiguous();
     torch::Tensor x = torch::empty({N, H}, h.options());
     torch::Tensor attn = torch::empty({N, HQ * D}, h.options());
+    torch::Tensor act = torch::empty({N, I}, h.options());
+    torch::Tensor qkv, o, gu, down;  // the products' outputs, written by every layer in turn (Linear::into)
     float* hp = h.data_ptr<float>();
     float* xp = x.data_ptr<float>();
     const int64_t QKV = (HQ + 2 * HKV) * D;
@@ -277,7 +297,7 @@ class Stack {
     each_row(N, [&](int64_t i) { rmsnorm(hp + i * H, layers[0].in_norm.data_ptr<float>(), eps, H, xp + i * H); });
     for (int64_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
-      torch::Tensor qkv = ly.qkv(x);
+      ly.qkv.into(x, qkv);
       TORCH_CHECK(qkv.size(1) == QKV && qkv.is_contiguous(), "qkv projection has the wrong width");
       float* q = qkv.data_ptr<float>();
       if (half)
@@ -286,15 +306,14 @@ class Stack {
       else
         attention(ly, q, QKV, N, cos, sin, k_cache.data_ptr<float>() + l * layer_stride,
                   v_cache.data_ptr<float>() + l * layer_stride, head_stride, past, anc, attn.data_ptr<float>());
-      const torch::Tensor o = ly.o(attn);
+      ly.o.into(attn, o);
       each_row(N, [&](int64_t i) {
         add_(hp + i * H, o.data_ptr<float>() + i * H, H);
         rmsnorm(hp + i * H, ly.post_norm.data_ptr<float>(), eps, H, xp + i * H);
       });
-      torch::Tensor gu = ly.gate_up(x);
-      torch::Tensor act = torch::empty({N, I}, h.options());
+      ly.gate_up.into(x, gu);
       each_row(N, [&](int64_t i) { swiglu(gu.data_ptr<float>() + i * 2 * I, act.data_ptr<float>() + i * I); });
-      const torch::Tensor down = ly.down(act);
+      ly.down.into(act, down);
       float* dst = tap_out.data_ptr<float>();
       const Layer* next = l + 1 < L ? &layers[l + 1] : nullptr;
       each_row(N, [&](int64_t i) {
@@ -328,13 +347,14 @@ class Stack {
     check_cache(k_cache, v_cache, past, N);
     cos = cos.contiguous();
     sin = sin.contiguous();
-    torch::Tensor fused = ctx_fc(features.contiguous());
+    torch::Tensor fused, kv;  // kv: [n, 2 * HKV * D], written by every layer in turn
+    ctx_fc.into(features.contiguous(), fused);
     TORCH_CHECK(fused.size(1) == H, "the context projection has the wrong width");
     torch::Tensor ctx = torch::empty({N, H}, fused.options());
     for (int64_t i = 0; i < N; ++i)
       rmsnorm(fused.data_ptr<float>() + i * H, ctx_norm.data_ptr<float>(), eps, H, ctx.data_ptr<float>() + i * H);
     for (size_t l = 0; l < layers.size(); ++l) {
-      torch::Tensor kv = ctx_kv[l](ctx);  // [n, 2 * HKV * D]
+      ctx_kv[l].into(ctx, kv);
       TORCH_CHECK(kv.size(1) == 2 * HKV * D && kv.is_contiguous(), "the context's k;v projection has the wrong width");
       float* kc = k_cache.data_ptr<float>() + l * k_cache.stride(0);
       float* vc = v_cache.data_ptr<float>() + l * v_cache.stride(0);
@@ -551,8 +571,11 @@ class Stack {
     const int64_t tasks = HKV * ((per_kv + chunk - 1) / chunk);
     at::parallel_for(0, tasks, 1, [&](int64_t p0, int64_t p1) {
       const int64_t padded = (keys + 7) & ~int64_t(7);
-      std::vector<float> scores(chunk * padded);
-      std::vector<float> sums(chunk);
+      // each thread's scores, kept from layer to layer (every entry a task reads is written first: score_block*,
+      // then softmax_numerators' padding)
+      thread_local std::vector<float> scores, sums;
+      if (scores.size() < size_t(chunk * padded)) scores.resize(chunk * padded);
+      if (sums.size() < size_t(chunk)) sums.resize(chunk);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t g = p / (tasks / HKV), t0 = (p % (tasks / HKV)) * chunk;
         const int64_t count = std::min(chunk, per_kv - t0);  // queries t0 .. t0 + count of this KV head

@@ -50,6 +50,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -225,11 +227,13 @@ struct XRows {
   }
 };
 
-// pad_rows: qx holds that many rows (>= M), those past M zero (an AMX tile reads 16 rows at a time)
-XRows quantize(const float* x, int64_t M, int64_t K, bool offset, int64_t pad_rows = 0) {
-  XRows xr;
+// pad_rows: qx holds that many rows (>= M), those past M zero (an AMX tile reads 16 rows at a time). Into `xr`,
+// whose buffers keep their capacity from call to call (run() quantizes into one per thread: no allocation a pass).
+void quantize_into(XRows& xr, const float* x, int64_t M, int64_t K, bool offset, int64_t pad_rows = 0) {
   xr.kb = K / QK;
-  xr.q.assign(std::max(M, pad_rows) * K, 0);
+  const int64_t rows = std::max(M, pad_rows);
+  xr.q.resize(rows * K);
+  std::fill(xr.q.begin() + M * K, xr.q.end(), int8_t(0));
   xr.dx.resize(M * xr.kb);
   xr.sx.resize(M * xr.kb);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));  // q + 128 as u8: the sign bit flipped
@@ -240,6 +244,11 @@ XRows quantize(const float* x, int64_t M, int64_t K, bool offset, int64_t pad_ro
     if (offset) q = _mm256_xor_si256(q, flip);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xr.q.data() + QK * i), q);
   }
+}
+
+XRows quantize(const float* x, int64_t M, int64_t K, bool offset) {
+  XRows xr;
+  quantize_into(xr, x, M, K, offset);
   return xr;
 }
 
@@ -576,20 +585,22 @@ void tile_group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x
 // loads, the store of C, and float work that does not overlap it), and Q4_1 adds splitting its nibbles
 // (docs/cpu-speed.md has the crossover measured).
 
+// y [M, N] = x [M, K] @ W^T for the packed weight w of G groups (the entry points' checks done by the caller).
 template <class Q>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool stream) {
-  const int64_t M = x.size(0), K = x.size(1), KB = K / QK, G = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+void run_into(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t G, int64_t N, bool stream, float* yp) {
+  if (M == 0 || N == 0) return;
+  const int64_t KB = K / QK;
   const Prefetch prefetch = stream ? Prefetch::stream : Prefetch::keep;
+  // the calling thread's quantized rows, reused (a pass makes ~120 products); named through a reference, which
+  // the workers' lambdas capture: `xr` itself would name each worker's own instance there
+  thread_local XRows rows;
+  XRows& xr = rows;
 #if DDTREE_AMX
   if (M >= Q::amx_rows && tiles_granted()) {
     // the rows in equal chunks of at most 16 (17 rows: 9 + 8, not 16 + 1: a tile pass costs about the same
     // whatever its rows, and the last chunk reads rows past M, zeros)
     const int64_t chunks = (M + TILE_ROWS - 1) / TILE_ROWS, chunk = (M + chunks - 1) / chunks;
-    const XRows xr = quantize(x.data_ptr<float>(), M, K, false, chunks * chunk);
+    quantize_into(xr, x, M, K, false, chunks * chunk);
     at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
       const TileConfig config(chunk);
       _tile_loadconfig(&config);  // per thread: the tile configuration is a thread's state
@@ -599,25 +610,36 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N
         tile_group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, chunk, yp, N, prefetch, buffer);
       _tile_release();
     });
-    return y;
+    return;
   }
 #endif
-  const XRows xr = quantize(x.data_ptr<float>(), M, K, Q::OFFSET);
+  quantize_into(xr, x, M, K, Q::OFFSET);
   at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, yp, N, prefetch);
   });
+}
+
+template <class Q>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, bool stream) {
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  run_into<Q>(x.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), G, N, stream, y.data_ptr<float>());
   return y;
 }
 
-void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t record, const char* kind) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
-              "x must be a contiguous float32 CPU tensor [M, K], got ", x.scalar_type(), " ", x.sizes());
+void check_weight(const torch::Tensor& packed, int64_t n, int64_t record, const char* kind) {
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.device().is_cpu() && packed.size(2) == record,
               "bad packed ", kind, " weight: expected contiguous uint8 CPU [N / 16, K / 32, ", record, "] from pack_",
               kind == std::string("Q4_1") ? "q4_1" : "q8_0", ", got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(n >= 0 && (n + GROUP - 1) / GROUP == packed.size(0), "n = ", n, " does not fit a packed weight of ",
               packed.size(0), " groups of 16 outputs");
+}
+
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t record, const char* kind) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+              "x must be a contiguous float32 CPU tensor [M, K], got ", x.scalar_type(), " ", x.sizes());
+  check_weight(packed, n, record, kind);
   TORCH_CHECK(x.size(1) == packed.size(1) * QK, "x has ", x.size(1), " columns; the weight has K = ",
               packed.size(1) * QK);
 }
@@ -632,6 +654,15 @@ torch::Tensor q4_1_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool
 torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool stream) {
   check_packed(x, packed, n, Q8_0_RECORD, "Q8_0");
   return run<Q8_0>(x, packed, n, stream);
+}
+
+PackedWeight packed_weight(const torch::Tensor& packed, int64_t n, bool q4_1) {
+  check_weight(packed, n, q4_1 ? Q4_1_RECORD : Q8_0_RECORD, q4_1 ? "Q4_1" : "Q8_0");
+  return {packed.data_ptr<uint8_t>(), packed.size(0), packed.size(1) * QK, n, q4_1};
+}
+
+void linear_into(const PackedWeight& w, const float* x, int64_t M, float* y, bool stream) {
+  (w.q4_1 ? run_into<Q4_1> : run_into<Q8_0>)(x, M, w.k, w.records, w.groups, w.n, stream, y);
 }
 
 // Q4_1 spans [N, K / 64 * 10] (ddtree/runtime/cpu/qlinear.py: per 64 weights 8 uint32 lanes, nibble g of lane l = weight
