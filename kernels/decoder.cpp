@@ -569,7 +569,8 @@ class Stack {
     const int64_t splits = std::min(per_kv, (2 * int64_t(at::get_num_threads()) + HKV - 1) / HKV);
     const int64_t chunk = (per_kv + splits - 1) / splits;
     const int64_t tasks = HKV * ((per_kv + chunk - 1) / chunk);
-    at::parallel_for(0, tasks, 1, [&](int64_t p0, int64_t p1) {
+    // taken as the threads go (parallel_chunks): a task's bits do not depend on the thread that runs it
+    parallel_chunks(tasks, 1, [&](int64_t p0, int64_t p1) {
       const int64_t padded = (keys + 7) & ~int64_t(7);
       // each thread's scores, kept from layer to layer (every entry a task reads is written first: score_block*,
       // then softmax_numerators' padding)

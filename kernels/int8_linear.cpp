@@ -580,6 +580,12 @@ void tile_group_pass(const uint8_t* group, int64_t KB, int64_t g, const XRows& x
 }
 #endif
 
+// Groups a thread takes at a time (ddtree::parallel_chunks) out of G of `bytes` each: at least 16 KB of weights (a
+// take is one compare-and-swap), and at least a 32nd of a thread's share (a head's 3,072 groups in 64 takes)
+inline int64_t group_chunk(int64_t G, int64_t bytes) {
+  return std::max<int64_t>((16384 + bytes - 1) / bytes, G / (32 * std::max(1, at::get_num_threads())));
+}
+
 // Passes of at least Q::amx_rows rows take the tile products where the build has them and Linux grants the tiles.
 // Below, the dpbusd passes are as fast or faster: a tile product costs about as much for 1 row as for 16 (its
 // loads, the store of C, and float work that does not overlap it), and Q4_1 adds splitting its nibbles
@@ -614,7 +620,7 @@ void run_into(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t G,
   }
 #endif
   quantize_into(xr, x, M, K, Q::OFFSET);
-  at::parallel_for(0, G, 2, [&](int64_t g0, int64_t g1) {
+  ddtree::parallel_chunks(G, group_chunk(G, KB * Q::RECORD), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) group_pass<Q>(w + g * KB * Q::RECORD, KB, g, xr, M, yp, N, prefetch);
   });
 }

@@ -150,6 +150,25 @@ def test_a_row_does_not_depend_on_the_pass_or_the_threads(weights, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(16, 64), (67, 576), (3072, 576), (8192, 64)])
+def test_every_group_once_whatever_the_threads(weights, kind, n, k):
+    """The threads take a product's groups of 16 outputs as they go (parallel_chunks, kernels/cpu_kernels.h), from
+    their own share's front and the others' backs: with more threads than cores (a slow thread whose share the others
+    finish), one group or thousands, every output is written once, with the bits of the reference."""
+    w = weights(kind, n, k)
+    x = activations(3, k, seed=5)
+    expected = int8.int8_linear_reference(x, w)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3, 5):
+            torch.set_num_threads(t)
+            for _ in range(3):
+                assert torch.equal(int8.int8_linear(x, w), expected), f"{t} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_streamed_weight_gives_the_same_bits(weights, kind):
     """QWeight.stream changes only how the weight is prefetched (non-temporally), never a sum."""
     w = weights(kind, 960, 576)
