@@ -304,10 +304,13 @@ torch::Tensor run(const Q& q, const torch::Tensor& x, int64_t N) {
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Tiles of NT output rows split over torch's intra-op threads; a tail of N % NT rows goes one at a time.
+  // Tiles of NT output rows taken by torch's intra-op threads as they go (parallel_chunks, at least 4 tiles and a 32nd
+  // of a thread's share at a time); a tail of N % NT rows goes one at a time.
   const int64_t tiles = (N + NT - 1) / NT;
-  at::parallel_for(0, tiles, 4, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(M > 1 ? NT * K : 0);
+  const int64_t chunk = std::max<int64_t>(4, tiles / (32 * std::max(1, at::get_num_threads())));
+  parallel_chunks(tiles, chunk, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> buf;  // each thread's own, kept between calls (every entry written before read)
+    if (M > 1 && buf.size() < size_t(NT * K)) buf.resize(NT * K);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n0 = i * NT;
       if (n0 + NT <= N) {

@@ -481,3 +481,24 @@ def test_a_build_is_named_by_its_folder_whether_built_or_loaded(tmp_path, monkey
     (folder,) = [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.is_dir()]
     assert built.ddtree_build == folder.name and not folder.name.startswith(".")
     assert qlinear._import_build(folder).ddtree_build == folder.name  # as a later process loads it
+
+
+def test_tiles_taken_as_the_threads_go_give_the_same_bits():
+    """The float kernels' tiles go to the threads a chunk at a time (parallel_chunks), each thread with its own
+    dequantization buffer kept between calls: any thread count (more threads than cores too), passes of other widths
+    in between, many tiles and a tail of N % 4 rows, every output the 1-thread bits."""
+    from ddtree.runtime.cpu.qlinear import QWeight, kernel
+
+    gen = torch.Generator().manual_seed(6)
+    w = QWeight.quantize(torch.randn(4099, 128, generator=gen) * 0.05, "Q4_1")
+    xs = {rows: torch.randn(rows, 128, generator=gen) for rows in (1, 3, 6, 9)}
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = {rows: kernel().q4_1_linear(x, w.qs) for rows, x in xs.items()}
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            for rows in (9, 1, 6, 3, 9, 1):
+                assert torch.equal(kernel().q4_1_linear(xs[rows], w.qs), expected[rows]), (threads, rows)
+    finally:
+        torch.set_num_threads(saved)
